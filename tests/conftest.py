@@ -1,0 +1,85 @@
+"""Shared helpers: launch the real script as real processes, with hard timeouts."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "llm_ddp_parallel_training.py"
+sys.path.insert(0, str(REPO))
+
+# Small and fast: the behaviour under test does not depend on model size.
+TINY = ["--cpu", "--d-model", "32", "--n-heads", "2", "--seq-len", "64", "--batch-size", "4"]
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+    def losses(self) -> list[float]:
+        return [float(x) for x in re.findall(r"^step\s+\d+/\d+ \| loss ([0-9.]+)", self.stdout, re.M)]
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
+    }
+    env.update(
+        PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"
+    )
+    env.update(extra or {})
+    return env
+
+
+def run_cmd(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> Run:
+    """Run a command in its own process group; on timeout kill the whole group and fail."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or child_env(), start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n--- stdout\n{out}\n--- stderr\n{err}")
+    return Run(proc.returncode, out, err, time.perf_counter() - start)
+
+
+def torchrun_cmd(nproc: int, args: list[str], launcher: list[str] | None = None) -> list[str]:
+    # --standalone runs a private rendezvous on a free port, so tests never collide on ports.
+    launcher = launcher if launcher is not None else ["--standalone"]
+    return [sys.executable, "-m", "torch.distributed.run", *launcher, f"--nproc-per-node={nproc}", str(SCRIPT), *args]
+
+
+def launch(args: list[str], nproc: int | None = None, timeout: float = 120, env: dict[str, str] | None = None) -> Run:
+    """The script as a user runs it: a plain process (nproc=None) or torchrun with nproc ranks."""
+    cmd = [sys.executable, str(SCRIPT), *args] if nproc is None else torchrun_cmd(nproc, args)
+    return run_cmd(cmd, timeout, env)
+
+
+def assert_ok(run: Run) -> None:
+    assert run.returncode == 0, f"exit {run.returncode}\n--- stdout\n{run.stdout}\n--- stderr\n{run.stderr}"
+
+
+@pytest.fixture(scope="session")
+def corpus_lines() -> list[str]:
+    return [line for line in (REPO / "corpus.txt").read_text(encoding="utf-8").splitlines() if line.strip()]

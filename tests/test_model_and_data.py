@@ -1,0 +1,67 @@
+"""The pieces a learner reads first: the causal model, the byte examples, the sampler shards."""
+
+from __future__ import annotations
+
+import torch
+
+import llm_ddp_parallel_training as t
+
+
+def tiny(seq_len: int = 16) -> t.TinyTransformer:
+    torch.manual_seed(0)
+    return t.TinyTransformer(t.TinyConfig(seq_len=seq_len, d_model=32, n_heads=4, n_layers=2)).eval()
+
+
+def test_model_maps_ids_to_logits_over_bytes():
+    ids = torch.randint(0, 256, (3, 16))
+    assert tiny()(ids).shape == (3, 16, 256)
+
+
+def test_changing_a_future_byte_never_changes_earlier_logits():
+    model = tiny()
+    ids = torch.randint(0, 256, (1, 16))
+    for pos in (1, 7, 15):
+        changed = ids.clone()
+        changed[0, pos] = (changed[0, pos] + 1) % 256
+        a, b = model(ids), model(changed)
+        assert torch.equal(a[0, :pos], b[0, :pos]), f"position < {pos} saw the byte at {pos}"
+        assert not torch.allclose(a[0, pos], b[0, pos]), "the changed position itself must change"
+
+
+def test_lines_become_newline_framed_byte_examples_with_padding_ignored():
+    ex = t.encode_lines_as_bytes(["ab"], seq_len=8)
+    # "\nab\n": inputs "\nab", targets "ab\n", the rest is padding that the loss skips
+    assert ex.inputs[0, :3].tolist() == [10, 97, 98]
+    assert ex.targets[0, :3].tolist() == [97, 98, 10]
+    assert (ex.targets[0, 3:] == t.IGNORE_INDEX).all()
+
+
+def test_long_lines_are_windowed_so_every_byte_is_a_target_once():
+    line = "x" * 20 + "é"  # 23 bytes of UTF-8 inside the newlines
+    ex = t.encode_lines_as_bytes([line], seq_len=8)
+    targets = ex.targets[ex.targets != t.IGNORE_INDEX].tolist()
+    assert bytes(targets) == (line + "\n").encode()
+
+
+def shard_indices(n: int, world: int, batch: int, epoch: int) -> list[list[int]]:
+    ex = t.Examples(torch.zeros(n, 4, dtype=torch.long), torch.zeros(n, 4, dtype=torch.long))
+    cfg = t.parse_args(["--batch-size", str(batch), "--seed", "7"])
+    shards = []
+    for rank in range(world):
+        d = t.Dist(rank, rank, world, world, torch.device("cpu"), "gloo", "test")
+        _, sampler = t.make_train_loader(ex, cfg, d)
+        sampler.set_epoch(epoch)
+        shards.append(list(sampler))
+    return shards
+
+
+def test_sampler_shards_are_disjoint_and_cover_the_data():
+    shards = shard_indices(n=101, world=3, batch=4, epoch=0)
+    seen = [i for s in shards for i in s]
+    assert len(seen) == len(set(seen)), "two ranks got the same example"
+    assert len(seen) == 99 and set(seen) <= set(range(101)), "drop_last trims only the remainder (101 % 3)"
+    assert len({len(s) for s in shards}) == 1, "every rank gets the same number of examples"
+
+
+def test_sampler_reshuffles_each_epoch():
+    assert shard_indices(50, 2, 4, epoch=0)[0] != shard_indices(50, 2, 4, epoch=1)[0]
