@@ -19,14 +19,18 @@ Run it as one plain process, or under torchrun on one or many machines:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
+import shutil
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -35,6 +39,9 @@ import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+if TYPE_CHECKING:  # type hints only: the tiny path never imports transformers
+    from transformers import PreTrainedTokenizerBase
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent / "corpus.txt"
 IGNORE_INDEX = -100  # target id that cross-entropy skips: padding never counts in the loss
@@ -60,12 +67,21 @@ class RunConfig:
     corpus_file: Path
     output_dir: Path
     seed: int
-    # model shape (tiny model)
     seq_len: int
+    # tiny model shape
     d_model: int
     n_heads: int
     n_layers: int
     dropout: float
+    # Qwen + LoRA
+    model_name_or_path: str
+    lora_r: int
+    lora_alpha: float
+    lora_dropout: float
+    lora_targets: tuple[str, ...]
+    dtype: str
+    trust_remote_code: bool
+    gradient_checkpointing: bool
     # optimisation
     batch_size: int
     max_steps: int
@@ -115,13 +131,22 @@ def _probability(text: str) -> float:
     return value
 
 
+def _name_list(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("must name at least one layer, e.g. q_proj,v_proj")
+    return names
+
+
 def build_arg_parser() -> argparse.ArgumentParser:
     p = _Parser(
         description="Train a byte-level causal Transformer with DistributedDataParallel.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     g = p.add_argument_group("run")
-    g.add_argument("--model", choices=["tiny"], default="tiny", help="which model to train")
+    g.add_argument(
+        "--model", choices=["tiny", "qwen"], default="tiny", help="tiny: from scratch; qwen: pretrained + LoRA"
+    )
     g.add_argument(
         "--corpus-file",
         type=Path,
@@ -131,17 +156,37 @@ def build_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--output-dir", type=Path, default=Path("outputs"), help="where rank 0 writes")
     g.add_argument("--seed", type=int, default=1337, help="same on every rank: init, shuffle")
 
+    g.add_argument("--seq-len", type=_positive_int, default=128, help="tokens per example (bytes for tiny)")
+
     g = p.add_argument_group("tiny model")
-    g.add_argument("--seq-len", type=_positive_int, default=128, help="tokens (bytes) per example")
     g.add_argument("--d-model", type=_positive_int, default=128, help="embedding width")
     g.add_argument("--n-heads", type=_positive_int, default=4, help="attention heads")
     g.add_argument("--n-layers", type=_positive_int, default=1, help="Transformer blocks")
     g.add_argument("--dropout", type=_probability, default=0.0, help="dropout probability")
 
+    g = p.add_argument_group("qwen + LoRA")
+    g.add_argument("--model-name-or-path", default="Qwen/Qwen2.5-0.5B-Instruct", help="hub name or local folder")
+    g.add_argument("--lora-r", type=_positive_int, default=8, help="rank of the low-rank update B @ A")
+    g.add_argument("--lora-alpha", type=_positive_float, default=16.0, help="update scale is alpha / r")
+    g.add_argument("--lora-dropout", type=_probability, default=0.05, help="dropout on the adapter input")
+    g.add_argument("--lora-targets", type=_name_list, default=("q_proj", "v_proj"), help="linear layers to adapt")
+    g.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="weights dtype; auto: bfloat16 on GPUs that support it, else float32",
+    )
+    g.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub (Qwen2 needs none)")
+    g.add_argument(
+        "--gradient-checkpointing", action="store_true", help="recompute activations in backward to save memory"
+    )
+
     g = p.add_argument_group("optimisation")
     g.add_argument("--batch-size", type=_positive_int, default=16, help="examples per rank per step")
     g.add_argument("--max-steps", type=_positive_int, default=800, help="optimizer steps, across epochs")
-    g.add_argument("--lr", type=_positive_float, default=3e-3, help="AdamW learning rate")
+    g.add_argument(
+        "--lr", type=_positive_float, default=None, help="peak learning rate (default: 3e-3 tiny, 2e-4 qwen)"
+    )
     g.add_argument("--weight-decay", type=_non_negative_float, default=0.01, help="AdamW weight decay")
 
     g = p.add_argument_group("hardware and process group")
@@ -162,6 +207,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> RunConfig:
     args = build_arg_parser().parse_args(argv)
+    if args.lr is None:  # adapters on a pretrained model want a far gentler step than a model from scratch
+        args.lr = 2e-4 if args.model == "qwen" else 3e-3
     cfg = RunConfig(**vars(args))
     if cfg.d_model % cfg.n_heads:
         raise UsageError(f"--d-model {cfg.d_model} is not divisible by --n-heads {cfg.n_heads}")
@@ -331,6 +378,26 @@ def encode_lines_as_bytes(lines: list[str], seq_len: int) -> Examples:
     return Examples(inputs, targets)
 
 
+def encode_lines_with_tokenizer(lines: list[str], tokenizer: PreTrainedTokenizerBase, seq_len: int) -> Examples:
+    """Pretrained-model examples: [start] + tokens(line) + [eos], truncated to seq_len + 1 tokens.
+
+    The start token (the tokenizer's BOS, or its EOS where there is no BOS, as in Qwen) lets
+    the model predict the line's first token; the EOS at the end teaches it to stop. Targets
+    are masked by *position* (beyond each line's real length), never by token id: Qwen's pad
+    token may equal its EOS, and masking by id would also hide every real EOS from the loss,
+    teaching the model never to stop.
+    """
+    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    token_lists = tokenizer(lines, add_special_tokens=False)["input_ids"]
+    inputs = torch.full((len(lines), seq_len), tokenizer.pad_token_id, dtype=torch.long)
+    targets = torch.full((len(lines), seq_len), IGNORE_INDEX, dtype=torch.long)
+    for i, ids in enumerate(token_lists):
+        seq = torch.tensor([start, *ids, tokenizer.eos_token_id][: seq_len + 1])
+        inputs[i, : len(seq) - 1] = seq[:-1]
+        targets[i, : len(seq) - 1] = seq[1:]
+    return Examples(inputs, targets)
+
+
 def make_train_loader(examples: Examples, cfg: RunConfig, d: Dist) -> tuple[DataLoader, DistributedSampler]:
     dataset = TensorDataset(examples.inputs, examples.targets)
     # Every rank builds the same permutation (same seed, same epoch) and keeps every
@@ -474,6 +541,7 @@ class ModelKit:
     forward: Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (model, ids) -> logits
     sample: Callable[[nn.Module, str], str]  # (unwrapped model, prompt) -> text
     save_final: Callable[[nn.Module, int], Path]  # (unwrapped model, step) -> path written
+    final_label: str  # what save_final writes, for the log
     describe: str
 
 
@@ -498,9 +566,165 @@ def build_tiny_kit(cfg: RunConfig, d: Dist, lines: list[str]) -> ModelKit:
         forward=lambda m, ids: m(ids),
         sample=lambda raw, prompt: generate_bytes(raw, prompt, cfg.sample_tokens, cfg.seed),
         save_final=save_final,
+        final_label="model checkpoint",
         describe=f"tiny Transformer: {cfg.n_layers} layer(s), d_model {cfg.d_model}, "
         f"{cfg.n_heads} heads, {n_params:,} parameters",
     )
+
+
+def build_qwen_kit(cfg: RunConfig, d: Dist, lines: list[str]) -> ModelKit:
+    """A pretrained causal LM (Qwen2.5 by default) with LoRA adapters; only the adapters train."""
+    from peft import LoraConfig, get_peft_model  # imported here: the tiny path never pays for it
+
+    dtype = choose_weights_dtype(cfg, d)
+    tokenizer, model = load_pretrained(cfg, d, dtype)
+    if tokenizer.pad_token is None:
+        # Any id works for padding: padded positions are masked out of the loss by position.
+        tokenizer.pad_token = tokenizer.eos_token
+    check_lora_targets(model, cfg.lora_targets)
+    if cfg.gradient_checkpointing:
+        # Non-reentrant checkpointing: the reentrant kind re-runs forward inside backward,
+        # which fires DDP's gradient hooks twice ("marked ready twice"), and it needs an input
+        # that requires grad, which the frozen embedding does not give without help.
+        # (transformers 5 renamed gradient_checkpointing_enable to activation_checkpointing_enable.)
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+        model.config.use_cache = False
+    torch.manual_seed(cfg.seed)  # LoRA A starts random (B at zero): the same on every rank
+    lora = LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=list(cfg.lora_targets),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    # Trainability is settled before DDP wraps the model: DDP registers its gradient hooks on
+    # the parameters that require grad when it is built, and only those ever travel.
+    with warnings.catch_warnings():  # peft reads a property transformers 5 renamed; harmless
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        model = get_peft_model(model, lora).to(d.device)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+
+    def save_final(raw: nn.Module, step: int) -> Path:
+        path = cfg.output_dir / "qwen_lora"
+        with atomic_directory(path) as tmp:
+            raw.save_pretrained(tmp)  # adapter_config.json + adapter_model.safetensors only
+            tokenizer.save_pretrained(tmp)
+        return path
+
+    @torch.no_grad()
+    def sample(raw: nn.Module, prompt: str) -> str:
+        ids = torch.tensor([[start, *tokenizer(prompt, add_special_tokens=False)["input_ids"]]], device=d.device)
+        out = raw.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=cfg.sample_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        return prompt + tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+    return ModelKit(
+        model=model,
+        train=encode_lines_with_tokenizer(lines, tokenizer, cfg.seq_len),
+        # No attention mask: padding sits on the right, and causal attention never lets a real
+        # token look right, so the pads cannot change any real position's output.
+        forward=lambda m, ids: m(input_ids=ids, use_cache=False).logits,
+        sample=sample,
+        save_final=save_final,
+        final_label="LoRA adapters and tokenizer",
+        describe=f"{cfg.model_name_or_path} ({dtype}) + LoRA r={cfg.lora_r} alpha={cfg.lora_alpha:g} on "
+        f"{','.join(cfg.lora_targets)}: {trainable:,} trainable of {total:,} parameters "
+        f"({100 * trainable / total:.3f}%)",
+    )
+
+
+def choose_weights_dtype(cfg: RunConfig, d: Dist) -> torch.dtype:
+    on_gpu = d.device.type == "cuda"
+    if cfg.dtype == "auto":
+        # Qwen2 was trained in bf16; fp16 overflows in it, so auto never picks fp16.
+        return torch.bfloat16 if on_gpu and torch.cuda.is_bf16_supported() else torch.float32
+    if cfg.dtype == "float16" and not on_gpu:
+        raise UsageError("--dtype float16 needs a CUDA device; use float32 or bfloat16 on CPU")
+    return getattr(torch, cfg.dtype)
+
+
+def resolve_model_files(cfg: RunConfig, d: Dist) -> Path:
+    """A local folder is used as it is. A hub name is fetched once per machine: local rank 0
+    downloads into the shared cache while the other ranks wait, then they read the cache, so
+    N ranks never download the same weights at once."""
+    source = cfg.model_name_or_path
+    if Path(source).expanduser().is_dir():
+        return Path(source).expanduser()
+    if source.startswith((".", "/", "~")) or "\\" in source or source.count("/") > 1:
+        raise UsageError(f"cannot load model: no folder {source} (hub names look like Qwen/Qwen2.5-0.5B-Instruct)")
+    from huggingface_hub import snapshot_download
+
+    def fetch(local_files_only: bool) -> Path:
+        try:
+            files = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+            if cfg.trust_remote_code:
+                files.append("*.py")
+            return Path(snapshot_download(source, allow_patterns=files, local_files_only=local_files_only))
+        except (OSError, ValueError) as e:
+            raise UsageError(
+                f"cannot load model '{source}': it is not a local folder, and the Hugging Face Hub "
+                f"could not provide it (offline, or a wrong name?): {first_line(e)}"
+            ) from None
+
+    if not d.distributed:
+        return fetch(local_files_only=False)
+    # The wait is a collective that carries rank 0's outcome, so a failed download stops every
+    # rank at once instead of leaving them at a barrier.
+    path, error = None, ""
+    if d.local_rank == 0:
+        try:
+            path = fetch(local_files_only=False)
+        except UsageError as e:
+            error = str(e)
+    if not all_ranks_ok(d, not error):
+        raise UsageError(error or f"cannot load model '{source}': the download failed on another machine")
+    return path or fetch(local_files_only=True)
+
+
+def load_pretrained(cfg: RunConfig, d: Dist, dtype: torch.dtype) -> tuple[PreTrainedTokenizerBase, nn.Module]:
+    """Tokenizer and model from a local folder (see resolve_model_files), onto this rank's device."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # one bar per rank is noise, not news
+    folder = resolve_model_files(cfg, d)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype, attn_implementation="sdpa", trust_remote_code=cfg.trust_remote_code
+        )
+    except (OSError, ValueError, ImportError) as e:
+        raise UsageError(f"cannot load model from {folder}: {first_line(e)}") from None
+    if not tokenizer("a", add_special_tokens=False)["input_ids"]:
+        raise UsageError(f"cannot load model from {folder}: its tokenizer encodes text to nothing (files missing?)")
+    return tokenizer, model
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def check_lora_targets(model: nn.Module, targets: tuple[str, ...]) -> None:
+    linear_names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
+    missing = [t for t in targets if t not in linear_names]
+    if missing:
+        raise UsageError(
+            f"--lora-targets {','.join(missing)} not found in the model; its linear layers are: "
+            + ", ".join(linear_names)
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -522,6 +746,18 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(
         logits.float().view(-1, logits.shape[-1]), targets.view(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
+
+
+def check_gradients_arrived(model: nn.Module) -> None:
+    """After the first backward some trainable weight must have a non-zero gradient.
+
+    Catches the silent failure where nothing learns: a frozen input to a checkpointed block,
+    adapters attached to layers the forward never uses. (LoRA's A gets exactly zero gradient
+    at step 1, because B starts at zero; B's gradient is what shows the path works.)
+    """
+    grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
+    if not any(bool(g.any()) for g in grads):
+        raise TrainingError("no gradient reached the trainable weights at step 1: nothing would learn")
 
 
 @dataclass
@@ -559,6 +795,8 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit) -> TrainResult:
         (global_tokens,) = all_reduce_sum(d, [local_tokens])
         loss_sum = token_loss_sum(kit.forward(model, inputs), targets)
         (loss_sum * (d.world_size / global_tokens)).backward()  # DDP all-reduces gradients here
+        if step == 1:
+            check_gradients_arrived(kit.model)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -600,6 +838,23 @@ def atomic_torch_save(obj: object, path: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
+@contextlib.contextmanager
+def atomic_directory(path: Path) -> Iterator[Path]:
+    """Fill a temp folder beside `path`, then swap it in: never a half-written folder at `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp, old = path.with_name(f".{path.name}.tmp-{os.getpid()}"), path.with_name(f".{path.name}.old-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def rank0_writes(d: Dist, what: str, write: Callable[[], Path]) -> None:
     """Rank 0 runs `write`; then all ranks meet at a barrier that also carries the outcome.
 
@@ -626,12 +881,12 @@ def run(cfg: RunConfig, d: Dist) -> None:
     log(d, f"[launch] {d.world_size} process(es); this is rank {d.rank} (local rank {d.local_rank})")
     log(d, f"[connect] backend {d.backend or 'none'} on {d.device}: {d.why}")
     lines = read_corpus_lines(cfg.corpus_file)
-    kit = build_tiny_kit(cfg, d, lines)
-    log(d, f"[data] {cfg.corpus_file}: {len(lines)} lines -> {len(kit.train)} examples of {cfg.seq_len} bytes")
+    kit = (build_qwen_kit if cfg.model == "qwen" else build_tiny_kit)(cfg, d, lines)
+    log(d, f"[data] {cfg.corpus_file}: {len(lines)} lines -> {len(kit.train)} examples of {cfg.seq_len} tokens")
     log(d, f"[model] {kit.describe}")
 
     result = train(cfg, d, kit)
-    rank0_writes(d, "checkpoint", lambda: kit.save_final(kit.model, result.steps))
+    rank0_writes(d, kit.final_label, lambda: kit.save_final(kit.model, result.steps))
     if d.is_main:
         kit.model.eval()
         # The unwrapped model: a forward through the DDP wrapper may talk to the other ranks,

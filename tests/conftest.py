@@ -83,3 +83,11 @@ def assert_ok(run: Run) -> None:
 @pytest.fixture(scope="session")
 def corpus_lines() -> list[str]:
     return [line for line in (REPO / "corpus.txt").read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen(tmp_path_factory, corpus_lines) -> Path:
+    """A tiny random Qwen2 + BPE tokenizer on disk, built once per test session."""
+    from tiny_qwen import build_tiny_qwen
+
+    return build_tiny_qwen(tmp_path_factory.mktemp("tiny_qwen"), corpus_lines)

@@ -81,5 +81,5 @@ def test_unwritable_output_dir(tmp_path):
     blocker.write_text("a file where a folder should be")
     run = launch([*TINY, "--max-steps", "1", "--output-dir", str(blocker / "out")], nproc=2)
     assert run.returncode != 0
-    assert "could not write checkpoint" in run.stderr
+    assert "could not write model checkpoint" in run.stderr
     assert SCRIPT_FRAME not in run.output

@@ -1,0 +1,72 @@
+"""Build a tiny random Qwen2 model and a byte-level BPE tokenizer offline, for the LoRA tests.
+
+The architecture is the real one (transformers' Qwen2ForCausalLM: grouped KV heads, RoPE, RMSNorm,
+tied embeddings like Qwen2.5-0.5B), only small. The tokenizer is trained here with the tokenizers
+library using Qwen2's own normalizer and pre-tokenizer: transformers 5 always rebuilds a "qwen2"
+folder's tokenizer as Qwen2Tokenizer from vocab + merges, so any other pipeline would not survive
+the reload. Like many base checkpoints it has an EOS token and no pad token.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def build_tiny_qwen(out_dir: Path, lines: list[str], vocab_size: int = 400, seed: int = 0) -> Path:
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX, Qwen2Tokenizer
+
+    bpe = Tokenizer(models.BPE())
+    bpe.normalizer = normalizers.NFC()
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte: no unknown tokens
+        show_progress=False,
+    )
+    bpe.train_from_iterator(lines, trainer=trainer)
+    trained = json.loads(bpe.to_str())["model"]
+    tokenizer = Qwen2Tokenizer(
+        vocab=trained["vocab"],
+        merges=[tuple(m) for m in trained["merges"]],
+        eos_token="<|endoftext|>",
+        pad_token=None,
+        unk_token=None,
+        bos_token=None,
+        extra_special_tokens=["<|im_start|>", "<|im_end|>"],
+        model_max_length=512,
+    )
+    tokenizer.save_pretrained(out_dir)
+
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # grouped KV heads, as in Qwen2.5
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=eos,
+        eos_token_id=eos,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = eos
+    model.save_pretrained(out_dir)
+    return out_dir
