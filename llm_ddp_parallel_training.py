@@ -20,22 +20,30 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
+import hashlib
+import io
+import json
 import math
 import os
+import random
 import shutil
+import signal
 import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -87,6 +95,19 @@ class RunConfig:
     max_steps: int
     lr: float
     weight_decay: float
+    # gradients: how they are synchronised, accumulated and normalised
+    ddp: str
+    bucket_mb: float
+    grad_accum_steps: int
+    loss_normalization: str
+    optimizer: str
+    verify_sync: int
+    inspect: bool
+    inject_fault: FaultPlan | None
+    # checkpoints and resume
+    save_every: int
+    keep_last: int
+    resume: str
     # hardware and process group
     backend: str
     cpu: bool
@@ -95,6 +116,19 @@ class RunConfig:
     log_every: int
     prompt: str
     sample_tokens: int
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    """--inject-fault RANK:STEP[:KIND]: a teaching and testing aid, never for real runs."""
+
+    rank: int
+    step: int
+    kind: str  # kill: SIGKILL itself; raise: an exception; nan: a NaN loss; desync: a wrong gradient;
+    # save: SIGKILL itself halfway through writing the step's checkpoint
+
+
+FAULT_KINDS = ("kill", "raise", "nan", "desync", "save")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -129,6 +163,25 @@ def _probability(text: str) -> float:
     if not 0.0 <= value < 1.0:
         raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
     return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be zero or a positive integer, got {value}")
+    return value
+
+
+def _fault_plan(text: str) -> FaultPlan:
+    parts = text.split(":")
+    try:
+        rank, step = int(parts[0]), int(parts[1])
+    except (ValueError, IndexError):
+        raise argparse.ArgumentTypeError(f"expected RANK:STEP[:KIND], got {text!r}") from None
+    kind = parts[2] if len(parts) > 2 else "kill"
+    if len(parts) > 3 or kind not in FAULT_KINDS or rank < 0 or step < 1:
+        raise argparse.ArgumentTypeError(f"expected RANK:STEP[:KIND] with KIND one of {', '.join(FAULT_KINDS)}")
+    return FaultPlan(rank, step, kind)
 
 
 def _name_list(text: str) -> tuple[str, ...]:
@@ -188,6 +241,51 @@ def build_arg_parser() -> argparse.ArgumentParser:
         "--lr", type=_positive_float, default=None, help="peak learning rate (default: 3e-3 tiny, 2e-4 qwen)"
     )
     g.add_argument("--weight-decay", type=_non_negative_float, default=0.01, help="AdamW weight decay")
+
+    g = p.add_argument_group("gradients")
+    g.add_argument("--ddp", choices=["torch", "manual"], default="torch", help="torch's DDP, or the from-scratch one")
+    g.add_argument("--bucket-mb", type=_positive_float, default=25.0, help="gradient bucket size for the all-reduce")
+    g.add_argument(
+        "--grad-accum-steps", type=_positive_int, default=1, help="micro-steps per optimizer step (k-1 without sync)"
+    )
+    g.add_argument(
+        "--loss-normalization",
+        choices=["global-tokens", "mean-of-means"],
+        default="global-tokens",
+        help="exact mean over every token of the global batch, or the biased mean of per-rank means",
+    )
+    g.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw", help="sgd: plain, no momentum")
+    g.add_argument(
+        "--verify-sync",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="every N steps check that all ranks hold identical gradients, weights and optimizer state",
+    )
+    g.add_argument("--inspect", action="store_true", help="report shards, buckets and per-rank gradients")
+    g.add_argument(
+        "--inject-fault",
+        type=_fault_plan,
+        default=None,
+        metavar="RANK:STEP[:KIND]",
+        help="teaching/testing aid: make RANK fail at STEP once; KIND kill (default), raise, nan, desync or save",
+    )
+
+    g = p.add_argument_group("checkpoints and resume")
+    g.add_argument(
+        "--save-every",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="full training state every N steps and at the end",
+    )
+    g.add_argument("--keep-last", type=_positive_int, default=2, metavar="K", help="how many checkpoints to keep")
+    g.add_argument(
+        "--resume",
+        default="auto",
+        metavar="auto|none|PATH",
+        help="auto: continue from the newest complete checkpoint in OUTPUT_DIR/checkpoints, if any",
+    )
 
     g = p.add_argument_group("hardware and process group")
     g.add_argument(
@@ -286,18 +384,40 @@ def setup_distributed(cfg: RunConfig) -> Dist:
     backend, device, why = choose_backend_and_device(cfg, local_rank, local_world)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before any CUDA work, so rank r never touches GPU 0
-    # MASTER_ADDR/MASTER_PORT come from torchrun's rendezvous; the timeout bounds every
-    # collective, so a rank that stops answering fails the job instead of hanging it.
+    # The timeout bounds every collective, so a rank that stops answering fails the job
+    # instead of hanging it.
+    timeout = timedelta(seconds=cfg.timeout_s)
     dist.init_process_group(
         backend=backend,
-        timeout=timedelta(seconds=cfg.timeout_s),
+        store=rendezvous_store(timeout),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
         device_id=device if device.type == "cuda" else None,
     )
     return Dist(rank, local_rank, world, local_world, device, backend, why)
 
 
+def rendezvous_store(timeout: timedelta) -> dist.Store | None:
+    """The key-value store the ranks meet in (None: let torch build it from MASTER_ADDR/PORT).
+
+    torchrun's agent hosts one store for the whole job and keeps it across restarts. The
+    ranks of a restarted attempt would find the dead attempt's addresses still in it, and
+    can connect to those before their peers overwrite them (pytorch#135712): the restart
+    then hangs until the timeout. A key prefix per attempt keeps each attempt's keys apart.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def teardown_distributed() -> None:
     if dist.is_available() and dist.is_initialized():
+        # DDP's reducer and the gradient hooks hold the process group in reference cycles;
+        # collect them while the interpreter is fully alive. Left to interpreter shutdown,
+        # Gloo's threads can still own tensors then, and the process aborts (pytorch#179291).
+        gc.collect()
         dist.destroy_process_group()
 
 
@@ -407,11 +527,12 @@ def make_train_loader(examples: Examples, cfg: RunConfig, d: Dist) -> tuple[Data
     sampler = DistributedSampler(
         dataset, num_replicas=d.world_size, rank=d.rank, shuffle=True, seed=cfg.seed, drop_last=True
     )
-    if len(sampler) < cfg.batch_size:
+    per_step = cfg.batch_size * cfg.grad_accum_steps
+    if len(sampler) < per_step:
         raise UsageError(
             f"corpus too small: {len(examples)} examples give each of {d.world_size} rank(s) "
-            f"{len(sampler)} per epoch, fewer than one batch of {cfg.batch_size}; "
-            "use a larger corpus, a smaller --batch-size or fewer ranks"
+            f"{len(sampler)} per epoch, fewer than one step's {per_step} (--batch-size x --grad-accum-steps); "
+            "use a larger corpus, smaller batches or fewer ranks"
         )
     loader = DataLoader(
         dataset,
@@ -423,15 +544,25 @@ def make_train_loader(examples: Examples, cfg: RunConfig, d: Dist) -> tuple[Data
     return loader, sampler
 
 
-def batches_forever(loader: DataLoader, sampler: DistributedSampler) -> Iterator[tuple[torch.Tensor, ...]]:
-    """Yield batches across epochs, reshuffling at each epoch boundary."""
-    epoch = 0
+def steps_from(loader: DataLoader, sampler: DistributedSampler, k: int, start_step: int) -> Iterator[list]:
+    """Yield each optimizer step's k micro-batches, across epochs, starting at `start_step`.
+
+    An epoch is len(loader) // k steps (a leftover of fewer than k batches is dropped), so a
+    step number alone says where the run is: epoch = step // steps_per_epoch. A resumed run
+    rebuilds the same epoch permutation and skips the batches it has already trained on.
+    """
+    steps_per_epoch = len(loader) // k
+    epoch, skip = divmod(start_step, steps_per_epoch)
     while True:
         # Without set_epoch every epoch would replay epoch 0's order. The epoch number must
         # be the same on all ranks, or their shards would overlap.
         sampler.set_epoch(epoch)
-        yield from loader
-        epoch += 1
+        batches = iter(loader)
+        for _ in range(skip * k):
+            next(batches)
+        for _ in range(steps_per_epoch - skip):
+            yield [next(batches) for _ in range(k)]
+        epoch, skip = epoch + 1, 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -714,7 +845,8 @@ def load_pretrained(cfg: RunConfig, d: Dist, dtype: torch.dtype) -> tuple[PreTra
 
 def first_line(error: BaseException) -> str:
     text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+    # Gloo appends advice ("This is typically caused by...") that buries the fact itself.
+    return text.splitlines()[0].split(" This is typically")[0] if text else type(error).__name__
 
 
 def check_lora_targets(model: nn.Module, targets: tuple[str, ...]) -> None:
@@ -728,17 +860,266 @@ def check_lora_targets(model: nn.Module, targets: tuple[str, ...]) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# 6. Train and sync: one loop for every model
+# 6. Sync: the gradient all-reduce, by torch's DDP or by a from-scratch DDP beside it
 # ----------------------------------------------------------------------------------------------
 
 
-def wrap_data_parallel(model: nn.Module, d: Dist) -> nn.Module:
+class CommStats:
+    """Counts what the gradient all-reduce sends, and (for --inspect) keeps the local gradients.
+
+    Both wrappers report every bucket they launch here: torch's DDP through a comm hook, the
+    manual one directly. Counting per optimizer step shows that accumulation's k-1 silent
+    micro-steps send nothing.
+    """
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]]) -> None:
+        self.name_of = {id(p): name for name, p in named_params}
+        self.calls = 0
+        self.bytes = 0
+        self.step_layout: dict[int, tuple[int, list[str]]] = {}
+        self.layout: list[tuple[int, list[str]]] = []  # per bucket: (bytes, parameter names)
+        self.layout_changed = False
+        self.local_grads: dict[str, torch.Tensor] | None = None  # set to {} to capture one step
+
+    def record(self, index: int, nbytes: int, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        self.calls += 1
+        self.bytes += nbytes
+        self.step_layout[index] = (nbytes, [self.name_of[id(p)] for p in params])
+        if self.local_grads is not None:  # the gradient this rank computed, before averaging
+            for p, g in zip(params, grads, strict=True):
+                self.local_grads[self.name_of[id(p)]] = g.detach().clone()
+
+    def end_step(self) -> tuple[int, int]:
+        """Close the optimizer step: return (all-reduce calls, bytes) and note the bucket layout."""
+        calls, nbytes = self.calls, self.bytes
+        self.calls = self.bytes = 0
+        if self.step_layout:
+            layout = [self.step_layout[i] for i in sorted(self.step_layout)]
+            self.layout_changed = bool(self.layout) and layout != self.layout
+            self.layout, self.step_layout = layout, {}
+        return calls, nbytes
+
+
+def counting_allreduce_hook(stats, bucket):
+    """torch DDP's own all-reduce (divide by world size, then sum), after writing down the bucket."""
+    buffer = bucket.buffer()
+    stats.record(bucket.index(), buffer.numel() * buffer.element_size(), bucket.parameters(), bucket.gradients())
+    return default_hooks.allreduce_hook(None, bucket)
+
+
+@dataclass(eq=False)
+class Bucket:
+    index: int
+    params: list[nn.Parameter]
+    flat: torch.Tensor  # one contiguous buffer for all their gradients: one all-reduce per bucket
+    offsets: list[int]
+    ready: int = 0
+    work: dist.Work | None = None
+
+
+class ManualDDP(nn.Module):
+    """Data parallelism from scratch: what torch's DDP does for us, in plain Python.
+
+    1. Start equal: broadcast rank 0's parameters and buffers to every rank.
+    2. Plan buckets: trainable parameters in *reverse* registration order (backward produces
+       gradients roughly from the last layer to the first), grouped until a bucket holds
+       bucket_mb of gradients.
+    3. During backward, a hook on each parameter copies its finished gradient into its bucket;
+       when a bucket's last gradient arrives, its all-reduce starts asynchronously, so
+       communication overlaps the rest of backward.
+    4. finish_gradient_sync(): wait for every bucket, divide the sums by the world size, copy
+       the averages back into .grad. Now every rank holds the same gradient.
+    """
+
+    def __init__(self, module: nn.Module, d: Dist, bucket_mb: float, stats: CommStats) -> None:
+        super().__init__()
+        self.module, self.world_size, self.stats = module, d.world_size, stats
+        self.require_sync = True
+        with torch.no_grad():
+            for t in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(t, src=0)
+        self.buckets: list[Bucket] = []
+        self.place: dict[nn.Parameter, tuple[Bucket, int]] = {}
+        cap = bucket_mb * 2**20
+        pending: list[nn.Parameter] = []
+        for p in reversed([p for p in module.parameters() if p.requires_grad]):
+            pending.append(p)
+            if sum(q.numel() * q.element_size() for q in pending) >= cap:
+                self._add_bucket(pending)
+                pending = []
+        if pending:
+            self._add_bucket(pending)
+        for p in self.place:
+            # A post-accumulate hook runs once the gradient is fully summed into p.grad for this
+            # backward. It receives the *parameter*, not the gradient: reading p.grad is right,
+            # all-reducing p itself would average the weights (picotron#39).
+            p.register_post_accumulate_grad_hook(self._gradient_ready)
+
+    def _add_bucket(self, params: list[nn.Parameter]) -> None:
+        sizes = [p.numel() for p in params]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        flat = torch.zeros(sum(sizes), dtype=params[0].dtype, device=params[0].device)
+        bucket = Bucket(len(self.buckets), params, flat, offsets)
+        self.buckets.append(bucket)
+        for p, offset in zip(params, offsets, strict=True):
+            self.place[p] = (bucket, offset)
+
+    def _gradient_ready(self, p: nn.Parameter) -> None:
+        if not self.require_sync:
+            return  # inside no_sync(): the gradient stays in p.grad and keeps accumulating there
+        bucket, offset = self.place[p]
+        # p.grad holds the sum over every micro-step since the last sync, so accumulated
+        # gradients count too (a hook on the incoming gradient would see only the last one).
+        bucket.flat[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            local = [
+                bucket.flat[o : o + q.numel()].view_as(q) for q, o in zip(bucket.params, bucket.offsets, strict=True)
+            ]
+            self.stats.record(bucket.index, bucket.flat.numel() * bucket.flat.element_size(), bucket.params, local)
+            bucket.work = dist.all_reduce(bucket.flat, async_op=True)
+
+    def finish_gradient_sync(self) -> None:
+        for bucket in self.buckets:
+            if bucket.work is None:
+                missing = [self.stats.name_of[id(p)] for p in bucket.params if p.grad is None]
+                raise TrainingError(f"a gradient bucket never filled: no gradient for {', '.join(missing) or '?'}")
+            bucket.work.wait()
+            bucket.flat.div_(self.world_size)  # all_reduce summed; DDP's contract is the average
+            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+                p.grad.copy_(bucket.flat[offset : offset + p.numel()].view_as(p))
+            bucket.ready, bucket.work = 0, None
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.require_sync = False
+        try:
+            yield
+        finally:
+            self.require_sync = True
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        return self.module(*args, **kwargs)
+
+
+def wrap_data_parallel(model: nn.Module, cfg: RunConfig, d: Dist, stats: CommStats) -> nn.Module:
     if not d.distributed:
-        return model
-    # DDP broadcasts rank 0's parameters to all ranks now, then hooks every parameter: during
-    # backward, finished gradients are grouped into buckets and all-reduced (averaged) while
-    # the rest of backward still runs, so every rank ends the step with the same gradient.
-    return DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+        return model  # one plain process: nothing to synchronise
+    if cfg.ddp == "manual":
+        return ManualDDP(model, d, cfg.bucket_mb, stats)
+    # torch's DDP broadcasts rank 0's parameters to all ranks now, then hooks every parameter:
+    # during backward, finished gradients fill buckets that are all-reduced (averaged) while the
+    # rest of backward still runs, so every rank ends the step with the same gradient.
+    ddp = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None, bucket_cap_mb=cfg.bucket_mb)
+    ddp.register_comm_hook(stats, counting_allreduce_hook)
+    return ddp
+
+
+def no_sync(model: nn.Module) -> contextlib.AbstractContextManager:
+    """Skip the all-reduce for this forward+backward: gradients just accumulate locally."""
+    return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
+
+
+def finish_gradient_sync(model: nn.Module) -> None:
+    # torch's DDP has already waited inside backward(); the manual wrapper waits here.
+    if isinstance(model, ManualDDP):
+        model.finish_gradient_sync()
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. Check: replica fingerprints (--verify-sync) and the learner's report (--inspect)
+# ----------------------------------------------------------------------------------------------
+
+
+def all_gather_tensor(d: Dist, t: torch.Tensor) -> list[torch.Tensor]:
+    if not d.distributed:
+        return [t]
+    t = t.to(d.device if d.backend == "nccl" else "cpu")
+    out = [torch.empty_like(t) for _ in range(d.world_size)]
+    dist.all_gather(out, t)
+    return [o.cpu() for o in out]
+
+
+def verify_replicas_agree(d: Dist, step: int, when: str, named: list[tuple[str, torch.Tensor]]) -> None:
+    """Every rank must hold bit-identical tensors: compare a cheap fingerprint of each.
+
+    The fingerprint (fp64 sum and sum of squares) is two numbers per tensor, so the check costs
+    one small all-gather. All ranks see every fingerprint, so all stop together on a mismatch.
+    """
+    fingerprint = torch.stack([torch.stack([t.double().sum(), t.double().square().sum()]) for _, t in named]).cpu()
+    ranks = all_gather_tensor(d, fingerprint)
+    for i, (name, _) in enumerate(named):
+        differ = [r for r, fp in enumerate(ranks) if not torch.equal(fp[i], ranks[0][i])]
+        if differ:
+            values = ", ".join(f"rank {r} sum {ranks[r][i][0].item():.9g}" for r in [0, *differ])
+            raise TrainingError(
+                f"replicas diverged at step {step} ({when}): first differing tensor {name}; "
+                f"rank(s) {differ} differ from rank 0 ({values})"
+            )
+
+
+def trainable_grads(named_params: list[tuple[str, nn.Parameter]]) -> list[tuple[str, torch.Tensor]]:
+    return [(f"grad of {n}", p.grad) for n, p in named_params if p.grad is not None]
+
+
+def params_and_optimizer_state(
+    named_params: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer
+) -> list[tuple[str, torch.Tensor]]:
+    named: list[tuple[str, torch.Tensor]] = [(n, p.detach()) for n, p in named_params]
+    for n, p in named_params:
+        named += [(f"optimizer {k} of {n}", v) for k, v in optimizer.state.get(p, {}).items() if torch.is_tensor(v)]
+    return named
+
+
+def print_in_rank_order(d: Dist, lines: list[str]) -> None:
+    """Gather each rank's lines to rank 0 and print them rank by rank, never interleaved."""
+    gathered: list[list[str]] = [lines]
+    if d.distributed:
+        gathered = [[] for _ in range(d.world_size)]
+        dist.all_gather_object(gathered, lines)
+    if d.is_main:
+        for rank, rank_lines in enumerate(gathered):
+            for line in rank_lines:
+                print(f"[inspect] rank {rank}: {line}", flush=True)
+
+
+def describe_shards(d: Dist, sampler: DistributedSampler) -> list[str]:
+    lines = []
+    for epoch in (0, 1):
+        sampler.set_epoch(epoch)
+        indices = list(sampler)
+        lines.append(f"epoch {epoch} shard: {len(indices)} examples, first {indices[:8]}")
+    return lines
+
+
+def describe_buckets(stats: CommStats) -> list[str]:
+    lines = []
+    for i, (nbytes, names) in enumerate(stats.layout):
+        shown = ", ".join(names[:4]) + (f", ... ({len(names)} tensors)" if len(names) > 4 else "")
+        lines.append(f"bucket {i}: {nbytes / 2**20:.3f} MB: {shown}")
+    return lines
+
+
+def describe_local_gradient(stats: CommStats, named_params: list[tuple[str, nn.Parameter]]) -> str:
+    """Compare the gradient this rank computed (before the all-reduce) with the average."""
+    local_sq = avg_sq = dot = 0.0
+    for name, p in named_params:
+        local = stats.local_grads.get(name) if stats.local_grads else None
+        if local is None or p.grad is None:
+            continue
+        local_sq += local.double().square().sum().item()
+        avg_sq += p.grad.double().square().sum().item()
+        dot += (local.double() * p.grad.double()).sum().item()
+    cosine = dot / math.sqrt(local_sq * avg_sq) if local_sq and avg_sq else float("nan")
+    return (
+        f"local grad norm {math.sqrt(local_sq):.4f} before sync, averaged {math.sqrt(avg_sq):.4f} after, "
+        f"cosine(local, averaged) {cosine:.3f}"
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# 8. Train: one loop for every model
+# ----------------------------------------------------------------------------------------------
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -746,6 +1127,28 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(
         logits.float().view(-1, logits.shape[-1]), targets.view(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
+
+
+def loss_scale(cfg: RunConfig, d: Dist, micro_tokens: int, global_tokens: float) -> float:
+    """What each micro-step's token-loss *sum* is multiplied by before backward.
+
+    global-tokens: world_size / global_tokens. DDP averages (divides by world_size), so the
+      gradient is exactly that of sum(every token loss) / global_tokens: the mean over every
+      target token of the global batch, whatever the split across ranks and micro-steps.
+    mean-of-means: 1 / (micro_tokens * k). Each micro-batch's own mean, averaged over micro-steps
+      and then over ranks: a token in a short micro-batch weighs more than one in a long one.
+    """
+    if cfg.loss_normalization == "global-tokens":
+        return d.world_size / global_tokens
+    return 1.0 / (micro_tokens * cfg.grad_accum_steps)
+
+
+def make_optimizer(cfg: RunConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    if cfg.optimizer == "sgd":
+        # Plain SGD moves weights by exactly lr x gradient: a gradient off by a factor shows at
+        # once, which is why the equivalence tests use it. (Adam divides the factor back out.)
+        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
 def check_gradients_arrived(model: nn.Module) -> None:
@@ -760,67 +1163,233 @@ def check_gradients_arrived(model: nn.Module) -> None:
         raise TrainingError("no gradient reached the trainable weights at step 1: nothing would learn")
 
 
+def due_fault(cfg: RunConfig, d: Dist, step: int) -> str | None:
+    """The fault --inject-fault asks of this rank at this step, on the first attempt only.
+
+    torchrun counts restarts in TORCHELASTIC_RESTART_COUNT; a restarted group must be able to
+    pass the step that killed its predecessor, or it would die there for ever.
+    """
+    plan = cfg.inject_fault
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if plan and plan.rank == d.rank and plan.step == step and first_attempt:
+        return plan.kind
+    return None
+
+
+def crash_on_purpose(kind: str, d: Dist, step: int) -> None:
+    print(f"[fault] rank {d.rank}: injected '{kind}' at step {step} (--inject-fault)", file=sys.stderr, flush=True)
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no goodbye: like the OOM killer or a lost node
+    raise RuntimeError(f"injected failure on rank {d.rank} at step {step} (--inject-fault)")
+
+
+@dataclass
+class Progress:
+    """Where the run stands. Saved in every checkpoint, so a resumed run picks up exactly here."""
+
+    step: int = 0  # optimizer steps completed
+    tokens_seen: int = 0  # real (non-padding) target tokens trained on, all ranks
+    history: list[dict[str, float]] = field(default_factory=list)  # one entry per logged step
+
+
 @dataclass
 class TrainResult:
-    steps: int
+    progress: Progress
     first_loss: float
     last_loss: float
-    tokens: int
     seconds: float
+    stopped_by: str | None  # the signal's name, when a stop request ended the run early
 
 
-def train(cfg: RunConfig, d: Dist, kit: ModelKit) -> TrainResult:
+class StopRequest:
+    """SIGTERM or SIGINT asks for a clean stop: finish this step, checkpoint, exit.
+
+    A signal can land on one rank and not another, and at any point of a step. Ranks must
+    stop together, at the same step boundary, so each only records the request here; the
+    next step's first all-reduce tells every rank whether any rank was asked.
+    """
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._record)
+
+    def _record(self, signum: int, frame: object) -> None:
+        self.signal = signum
+        # A second Ctrl-C (or SIGTERM) acts at once, for when the clean stop is not wanted.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+STOP = StopRequest()
+
+
+def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None) -> TrainResult:
     loader, sampler = make_train_loader(kit.train, cfg, d)
-    model = wrap_data_parallel(kit.model, d)
-    trainable = [p for p in kit.model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    global_batch = cfg.batch_size * d.world_size
-    log(d, f"[run] {d.world_size} rank(s) x {cfg.batch_size} examples per rank = global batch {global_batch}")
+    named_params = [(n, p) for n, p in kit.model.named_parameters() if p.requires_grad]
+    stats = CommStats(named_params)
+    model = wrap_data_parallel(kit.model, cfg, d, stats)
+    optimizer = make_optimizer(cfg, [p for _, p in named_params])
+    progress = apply_resume_state(resume, named_params, optimizer, d) if resume else Progress()
+    k = cfg.grad_accum_steps
+    global_batch = cfg.batch_size * d.world_size * k
+    steps_per_epoch = len(loader) // k
+    log(
+        d, f"[run] {d.world_size} rank(s) x {cfg.batch_size} examples x {k} micro-step(s) = global batch {global_batch}"
+    )
     log(d, f"[run] up to {global_batch * cfg.seq_len:,} token positions per step (padding excluded from the loss)")
-    log(d, f"[run] {len(sampler)} examples per rank per epoch = {len(loader)} steps per epoch")
+    log(d, f"[run] {len(sampler)} examples per rank per epoch = {steps_per_epoch} steps per epoch")
+    log(
+        d,
+        f"[run] gradient sync: {'torch DDP' if cfg.ddp == 'torch' else 'manual DDP (from scratch)'}, "
+        f"{cfg.bucket_mb:g} MB buckets; loss: {cfg.loss_normalization}; optimizer: {cfg.optimizer}",
+    )
+    if cfg.inspect:
+        print_in_rank_order(d, describe_shards(d, sampler))
+
+    def save_state() -> None:
+        save_training_state(cfg, d, training_state(cfg, d, kit, named_params, optimizer, progress), progress.step)
 
     model.train()
-    stream = batches_forever(loader, sampler)
+    stream = steps_from(loader, sampler, k, progress.step)
     first_loss = last_loss = float("nan")
-    tokens_seen, window_tokens = 0, 0
+    window_tokens, stopped_by = 0, None
     t_start = t_window = time.perf_counter()
-    for step in range(1, cfg.max_steps + 1):
-        inputs, targets = next(stream)
-        inputs, targets = inputs.to(d.device, non_blocking=True), targets.to(d.device, non_blocking=True)
-        # The loss is the mean over every target token of the *global* batch. Ranks hold
-        # different numbers of real tokens (lines differ in length), so each rank scales its
-        # token sum by world_size / global_tokens; DDP's average then divides the world_size
-        # back out, leaving exactly sum(all token losses) / global_tokens.
-        local_tokens = int((targets != IGNORE_INDEX).sum())
-        (global_tokens,) = all_reduce_sum(d, [local_tokens])
-        loss_sum = token_loss_sum(kit.forward(model, inputs), targets)
-        (loss_sum * (d.world_size / global_tokens)).backward()  # DDP all-reduces gradients here
+    while progress.step < cfg.max_steps:
+        step = progress.step + 1
+        fault = due_fault(cfg, d, step)
+        if fault in ("kill", "raise"):
+            crash_on_purpose(fault, d, step)
+        micro_batches = [tuple(t.to(d.device, non_blocking=True) for t in batch) for batch in next(stream)]
+        micro_tokens = [int((targets != IGNORE_INDEX).sum()) for _, targets in micro_batches]
+        # One small all-reduce before any backward carries two facts every rank must share:
+        # the global token count the loss divides by, and whether any rank was asked to stop.
+        global_tokens, stop_votes = all_reduce_sum(d, [sum(micro_tokens), STOP.signal is not None])
+        if stop_votes:
+            stopped_by = signal.Signals(STOP.signal).name if STOP.signal else "another rank's signal"
+            break
+        inspecting = cfg.inspect and step <= INSPECT_STEPS
+        stats.local_grads = {} if inspecting else None
+
+        loss_sum = torch.zeros((), device=d.device)
+        for i, (inputs, targets) in enumerate(micro_batches):
+            # The first k-1 micro-steps run forward *and* backward inside no_sync(): gradients
+            # accumulate in .grad with no communication; the last one all-reduces the sum.
+            with no_sync(model) if i < k - 1 else contextlib.nullcontext():
+                micro_loss = token_loss_sum(kit.forward(model, inputs), targets)
+                if fault == "nan":
+                    micro_loss = micro_loss * float("nan")
+                (micro_loss * loss_scale(cfg, d, micro_tokens[i], global_tokens)).backward()
+            loss_sum += micro_loss.detach()
+        finish_gradient_sync(model)
+        calls, nbytes = stats.end_step()
+        if fault == "desync":  # pretend this rank's gradient sync silently went wrong
+            named_params[0][1].grad.add_(1e-3)
         if step == 1:
             check_gradients_arrived(kit.model)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
 
-        # The loss each rank computed covers its own shard; summing over ranks gives the loss
-        # of the global batch, the number that the update actually followed.
+        # Each rank's loss covers its own shard; the sum over ranks, divided by the global
+        # token count, is the loss of the global batch: the number the update follows.
         (global_loss_sum,) = all_reduce_sum(d, [loss_sum.item()])
         loss = global_loss_sum / global_tokens
-        first_loss = loss if step == 1 else first_loss
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for _, p in named_params if p.grad is not None]).item()
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            raise_non_finite(d, step, loss, grad_norm, loss_sum.item())
+        if cfg.verify_sync and step % cfg.verify_sync == 0:
+            verify_replicas_agree(d, step, "after the gradient all-reduce", trainable_grads(named_params))
+        if inspecting:
+            report_inspect_step(cfg, d, step, stats, (calls, nbytes), named_params, loss_sum.item(), micro_tokens)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if cfg.verify_sync and step % cfg.verify_sync == 0:
+            state = params_and_optimizer_state(named_params, optimizer)
+            verify_replicas_agree(d, step, "after the optimizer step", state)
+
+        progress.step = step
+        progress.tokens_seen += int(global_tokens)
+        first_loss = loss if math.isnan(first_loss) else first_loss
         last_loss = loss
-        tokens_seen += int(global_tokens)
         window_tokens += int(global_tokens)
         if step % cfg.log_every == 0 or step == cfg.max_steps or step == 1:
             now = time.perf_counter()
-            log(d, f"step {step:>5}/{cfg.max_steps} | loss {loss:.4f} | {window_tokens / (now - t_window):,.0f} tok/s")
+            speed = window_tokens / (now - t_window)
+            progress.history.append({"step": step, "loss": loss})
+            sync = f" | all-reduced {calls} bucket(s), {nbytes / 2**20:.2f} MB" if d.distributed else ""
+            log(d, f"step {step:>5}/{cfg.max_steps} | loss {loss:.4f} | {speed:,.0f} tok/s{sync}")
             t_window, window_tokens = now, 0
-    return TrainResult(cfg.max_steps, first_loss, last_loss, tokens_seen, time.perf_counter() - t_start)
+        if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.max_steps):
+            save_state()
+    if stopped_by:
+        save_state()
+    return TrainResult(progress, first_loss, last_loss, time.perf_counter() - t_start, stopped_by)
+
+
+def raise_non_finite(d: Dist, step: int, loss: float, grad_norm: float, local_loss_sum: float) -> None:
+    """Stop every rank before a NaN or inf reaches the weights, and say where it came from.
+
+    Every rank reaches this point together: the loss is summed over ranks and the gradient
+    norm is computed from the all-reduced (identical) gradients, so all see the same values.
+    """
+    local_losses = all_gather_tensor(d, torch.tensor([local_loss_sum], dtype=torch.float64))
+    bad = [r for r, t in enumerate(local_losses) if not math.isfinite(t.item())]
+    where = f"non-finite local loss on rank(s) {bad}" if bad else "the losses were finite, the gradients were not"
+    raise TrainingError(
+        f"non-finite loss or gradient norm at step {step} (loss {loss}, grad norm {grad_norm}; {where}): "
+        "stopped every rank before the optimizer step; the weights are untouched. Try a lower --lr"
+    )
+
+
+INSPECT_STEPS = 3  # --inspect reports this many steps in detail
+
+
+def report_inspect_step(
+    cfg: RunConfig,
+    d: Dist,
+    step: int,
+    stats: CommStats,
+    sent: tuple[int, int],
+    named_params: list[tuple[str, nn.Parameter]],
+    local_loss_sum: float,
+    micro_tokens: list[int],
+) -> None:
+    """The first steps through the eyes of each rank: its loss, its tokens, its gradient."""
+    local_tokens = sum(micro_tokens)
+    # Both normalizations of this very step: the exact global mean, and the mean of per-rank means.
+    loss_total, means_total, global_tokens = all_reduce_sum(
+        d, [local_loss_sum, local_loss_sum / local_tokens, local_tokens]
+    )
+    if step == 1:
+        log(d, "[inspect] gradient buckets at step 1 (a bucket is all-reduced as soon as all its gradients are ready):")
+        log(d, "\n".join(f"[inspect]   {line}" for line in describe_buckets(stats)))
+    calls, nbytes = sent
+    print_in_rank_order(
+        d,
+        [
+            f"step {step}: local loss {local_loss_sum / local_tokens:.4f} over {local_tokens} tokens "
+            f"({'+'.join(map(str, micro_tokens))} in {len(micro_tokens)} micro-step(s))",
+            f"step {step}: {describe_local_gradient(stats, named_params)}",
+        ],
+    )
+    log(
+        d,
+        f"[inspect] step {step}: global-token mean loss {loss_total / global_tokens:.4f} over {int(global_tokens)} "
+        f"tokens; mean of per-rank means {means_total / d.world_size:.4f}; this step all-reduced {calls} "
+        f"bucket(s), {nbytes / 2**20:.3f} MB ({cfg.loss_normalization} normalization is training)",
+    )
+    if stats.layout_changed:
+        log(d, "[inspect] DDP rebuilt its buckets after step 1 (in the order gradients arrived):")
+        log(d, "\n".join(f"[inspect]   {line}" for line in describe_buckets(stats)))
+        stats.layout_changed = False
 
 
 # ----------------------------------------------------------------------------------------------
-# 7. Save: rank 0 writes, everyone meets at a barrier
+# 9. Save: rank 0 writes, everyone meets at a barrier
 # ----------------------------------------------------------------------------------------------
 
 
-def atomic_torch_save(obj: object, path: Path) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
     """Write to a temp file in the same folder, fsync, then rename over the target.
 
     A rename within one file system is atomic: readers see the old file or the new one,
@@ -830,12 +1399,18 @@ def atomic_torch_save(obj: object, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            torch.save(obj, f)
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def atomic_torch_save(obj: object, path: Path) -> None:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    atomic_write(path, buffer.getvalue())
 
 
 @contextlib.contextmanager
@@ -872,8 +1447,223 @@ def rank0_writes(d: Dist, what: str, write: Callable[[], Path]) -> None:
         raise TrainingError(error or f"rank 0 could not write {what}")
 
 
+# Full training state: everything a resumed run needs to continue bit for bit.
+#
+#   OUTPUT_DIR/checkpoints/step_00000040/state.pt       weights (tiny) or adapters (qwen), optimizer,
+#                                                      progress, every rank's RNG, the run's settings
+#   OUTPUT_DIR/checkpoints/step_00000040/manifest.json  SHA-256 of state.pt, written last
+#
+# A folder without a manifest, or whose state.pt does not match it, is not a checkpoint: a
+# write interrupted at any point is never mistaken for one, and a damaged file is refused.
+
+CHECKPOINT_FORMAT = 1
+
+
+def checkpoint_root(cfg: RunConfig) -> Path:
+    return cfg.output_dir / "checkpoints"
+
+
+def capture_rng(d: Dist) -> dict:
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state(d.device) if d.device.type == "cuda" else None,
+    }
+
+
+def restore_rng(state: dict, d: Dist) -> None:
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"], d.device)
+
+
+def run_settings(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
+    """The settings that decide which example lands in which step and what the model is.
+
+    A resume with any of these changed would not continue the same run, so it is refused.
+    (--max-steps may grow: a finished run can be trained further.)
+    """
+    digest = hashlib.sha256(kit.train.inputs.numpy().tobytes() + kit.train.targets.numpy().tobytes()).hexdigest()
+    settings = {
+        "model": cfg.model,
+        "world_size": d.world_size,
+        "batch_size": cfg.batch_size,
+        "grad_accum_steps": cfg.grad_accum_steps,
+        "seq_len": cfg.seq_len,
+        "seed": cfg.seed,
+        "optimizer": cfg.optimizer,
+        "loss_normalization": cfg.loss_normalization,
+        "training_data_sha256": digest,
+    }
+    if cfg.model == "tiny":
+        settings |= {"d_model": cfg.d_model, "n_heads": cfg.n_heads, "n_layers": cfg.n_layers, "dropout": cfg.dropout}
+    else:
+        settings |= {
+            "model_name_or_path": cfg.model_name_or_path,
+            "lora_r": cfg.lora_r,
+            "lora_alpha": cfg.lora_alpha,
+            "lora_dropout": cfg.lora_dropout,
+            "lora_targets": list(cfg.lora_targets),
+        }
+    return settings
+
+
+def training_state(
+    cfg: RunConfig,
+    d: Dist,
+    kit: ModelKit,
+    named_params: list[tuple[str, nn.Parameter]],
+    optimizer: torch.optim.Optimizer,
+    progress: Progress,
+) -> dict:
+    """Gather the state on rank 0 (a collective: the RNG states come from every rank)."""
+    rng: list[dict] = [capture_rng(d)]
+    if d.distributed:
+        rng = [{} for _ in range(d.world_size)]
+        dist.all_gather_object(rng, capture_rng(d))
+    return {
+        "format": CHECKPOINT_FORMAT,
+        "progress": asdict(progress),
+        # Trainable weights only: the whole tiny model, or just the LoRA adapters (the frozen
+        # base comes back from --model-name-or-path).
+        "trainable": {n: p.detach().cpu() for n, p in named_params},
+        "optimizer": optimizer.state_dict(),
+        "rng": rng,  # indexed by rank: each rank's dropout stream continues where it was
+        "settings": run_settings(cfg, d, kit),
+    }
+
+
+def save_training_state(cfg: RunConfig, d: Dist, state: dict, step: int) -> None:
+    def write() -> Path:
+        folder = checkpoint_root(cfg) / f"step_{step:08d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        data = io.BytesIO()
+        torch.save(state, data)
+        if due_fault(cfg, d, step) == "save":  # teaching aid: die with half a file on disk
+            (folder / f".state.pt.tmp-{os.getpid()}").write_bytes(data.getvalue()[: len(data.getvalue()) // 2])
+            crash_on_purpose("kill", d, step)
+        atomic_write(folder / "state.pt", data.getvalue())
+        manifest = {"format": CHECKPOINT_FORMAT, "step": step, "sha256": {"state.pt": sha256(data.getvalue())}}
+        atomic_write(folder / "manifest.json", json.dumps(manifest, indent=1).encode())  # the completion marker
+        prune_checkpoints(cfg)
+        return folder
+
+    rank0_writes(d, f"training state at step {step}", write)
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def checkpoint_folders(cfg: RunConfig) -> list[Path]:
+    """Every step_* folder, newest first (complete or not)."""
+    return sorted(checkpoint_root(cfg).glob("step_*"), reverse=True)
+
+
+def read_checkpoint(folder: Path) -> dict:
+    """Load a checkpoint folder, or raise UsageError saying why it is not a usable one."""
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text())
+    except (OSError, ValueError):
+        raise UsageError(f"{folder} is incomplete (no valid manifest.json: its write was interrupted)") from None
+    try:
+        data = (folder / "state.pt").read_bytes()
+    except OSError as e:
+        raise UsageError(f"{folder} cannot be read: {e.strerror}") from None
+    if sha256(data) != manifest.get("sha256", {}).get("state.pt"):
+        raise UsageError(f"{folder} is damaged: state.pt does not match the SHA-256 in its manifest")
+    # weights_only: a checkpoint is data, and loading it must never run code from the file.
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def prune_checkpoints(cfg: RunConfig) -> None:
+    complete = [f for f in checkpoint_folders(cfg) if (f / "manifest.json").exists()]
+    for folder in complete[cfg.keep_last :]:
+        shutil.rmtree(folder, ignore_errors=True)
+    if complete:  # unfinished writes older than the newest complete checkpoint are debris
+        for folder in checkpoint_folders(cfg):
+            if folder < complete[0] and not (folder / "manifest.json").exists():
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+def find_resume_state(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict | None:
+    """Rank 0 picks and reads the checkpoint to resume from; every rank gets the same state.
+
+    Only rank 0 reads, so a checkpoint on rank 0's local disk is enough, and rank 0's choice
+    (including skipping a damaged checkpoint) reaches every rank through one broadcast.
+    """
+    outcome: dict = {}
+    if d.is_main:
+        try:
+            outcome = {"state": choose_checkpoint(cfg, run_settings(cfg, d, kit))}
+        except UsageError as e:
+            outcome = {"error": str(e)}
+    if d.distributed:
+        box = [outcome]
+        dist.broadcast_object_list(box, src=0)
+        outcome = box[0]
+    if "error" in outcome:
+        raise UsageError(outcome["error"])
+    return outcome["state"]
+
+
+def choose_checkpoint(cfg: RunConfig, settings: dict) -> dict | None:
+    if cfg.resume == "none":
+        if checkpoint_root(cfg).exists():
+            # Starting over must not mix this run's checkpoints with an earlier run's.
+            aside = cfg.output_dir / f"checkpoints.before-{time.strftime('%Y%m%d-%H%M%S')}"
+            os.replace(checkpoint_root(cfg), aside)
+            print(f"[resume] --resume none: moved the earlier run's checkpoints to {aside}", flush=True)
+        return None
+    if cfg.resume != "auto":
+        folder = Path(cfg.resume)
+        state = read_checkpoint(folder.parent if folder.is_file() else folder)
+        check_same_run(state, settings, folder)
+        print(f"[resume] continuing from {folder} (step {state['progress']['step']})", flush=True)
+        return state
+    for folder in checkpoint_folders(cfg):
+        try:
+            state = read_checkpoint(folder)
+        except UsageError as e:
+            print(f"[resume] skipping {e}", flush=True)
+            continue
+        check_same_run(state, settings, folder)
+        print(
+            f"[resume] continuing from {folder} (step {state['progress']['step']}, the newest complete checkpoint)",
+            flush=True,
+        )
+        return state
+    return None
+
+
+def check_same_run(state: dict, settings: dict, folder: Path) -> None:
+    saved = state.get("settings", {})
+    changed = [f"{k}: {saved.get(k)!r} then, {v!r} now" for k, v in settings.items() if saved.get(k) != v]
+    if changed:
+        raise UsageError(
+            f"cannot resume from {folder}: it belongs to a run with other settings ({'; '.join(changed)}). "
+            "Use the original settings, or --resume none, or another --output-dir"
+        )
+
+
+def apply_resume_state(
+    state: dict, named_params: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer, d: Dist
+) -> Progress:
+    with torch.no_grad():
+        for name, p in named_params:
+            p.copy_(state["trainable"][name])
+    optimizer.load_state_dict(state["optimizer"])
+    restore_rng(state["rng"][d.rank], d)
+    return Progress(**state["progress"])
+
+
 # ----------------------------------------------------------------------------------------------
-# 8. Main: launch -> connect -> shard -> train -> sync -> save -> sample
+# 10. Main: launch -> connect -> shard -> train -> sync -> save -> sample
 # ----------------------------------------------------------------------------------------------
 
 
@@ -885,18 +1675,34 @@ def run(cfg: RunConfig, d: Dist) -> None:
     log(d, f"[data] {cfg.corpus_file}: {len(lines)} lines -> {len(kit.train)} examples of {cfg.seq_len} tokens")
     log(d, f"[model] {kit.describe}")
 
-    result = train(cfg, d, kit)
-    rank0_writes(d, kit.final_label, lambda: kit.save_final(kit.model, result.steps))
+    resume = find_resume_state(cfg, d, kit)
+    result = train(cfg, d, kit, resume)
+    step = result.progress.step
+    if result.stopped_by:
+        log(d, f"[stop] {result.stopped_by}: every rank stopped after step {step}; the same command resumes there")
+        raise SystemExit(EXIT_STOPPED)
+    rank0_writes(d, kit.final_label, lambda: kit.save_final(kit.model, step))
     if d.is_main:
         kit.model.eval()
         # The unwrapped model: a forward through the DDP wrapper may talk to the other ranks,
         # which have moved on. Sampling is local to rank 0.
         print(f"[sample] {kit.sample(kit.model, cfg.prompt)}", flush=True)
         print(
-            f"[done] {result.steps} steps, loss {result.first_loss:.4f} -> {result.last_loss:.4f}, "
-            f"{result.tokens:,} tokens in {result.seconds:.1f} s",
+            f"[done] {step} steps, loss {result.first_loss:.4f} -> {result.last_loss:.4f}, "
+            f"{result.progress.tokens_seen:,} tokens in {result.seconds:.1f} s",
             flush=True,
         )
+
+
+EXIT_STOPPED = 3  # stopped cleanly by a signal, checkpoint written, not finished
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """A collective failed because another rank went away (it crashed, or was killed)."""
+    text = str(error)
+    return isinstance(error, dist.DistError) or any(
+        sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+    )
 
 
 def report_error(message: str) -> None:
@@ -913,6 +1719,7 @@ def main(argv: list[str] | None = None) -> None:
     except UsageError as e:
         report_error(str(e))
         raise SystemExit(2) from None
+    STOP.install()
     try:
         run(cfg, d)
     except UsageError as e:
@@ -920,6 +1727,13 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     except TrainingError as e:
         report_error(str(e))
+        raise SystemExit(1) from None
+    except RuntimeError as e:
+        if not (d.distributed and is_peer_failure(e)):
+            raise
+        # Not this rank's fault: say so in one line; the failed rank's own error and torchrun's
+        # summary say what happened there.
+        report_error(f"rank {d.rank} lost contact with another rank, which probably failed first: {first_line(e)}")
         raise SystemExit(1) from None
     finally:
         teardown_distributed()

@@ -26,7 +26,7 @@ def test_single_process_run_writes_a_checkpoint_that_reloads(tmp_path):
 def test_two_gloo_ranks_train_and_the_loss_falls(tmp_path):
     run = launch([*TINY, "--max-steps", "40", "--log-every", "10", "--output-dir", str(tmp_path)], nproc=2)
     assert_ok(run)
-    assert "2 rank(s) x 4 examples per rank = global batch 8" in run.stdout
+    assert "2 rank(s) x 4 examples x 1 micro-step(s) = global batch 8" in run.stdout
     losses = run.losses()
     assert len(losses) >= 4 and losses[-1] < losses[0] - 1.0, losses
     assert (tmp_path / "tiny_transformer.pt").exists()

@@ -27,18 +27,43 @@ def saved_adapter(out_dir) -> tuple[dict, dict[str, torch.Tensor]]:
     return config, safetensors_torch.load_file(folder / "adapter_model.safetensors")
 
 
-def test_two_ranks_train_the_adapters_and_save_them_in_peft_format(tiny_qwen, tmp_path):
-    run = launch(qwen_args(tiny_qwen, tmp_path, "--max-steps", "6", "--log-every", "3"), nproc=2)
-    assert_ok(run)
+@pytest.fixture(scope="module")
+def two_rank_runs(tiny_qwen, tmp_path_factory) -> dict[str, tuple]:
+    """The same 2-rank LoRA run through torch's DDP and through the from-scratch one."""
+    runs = {}
+    for ddp in ("torch", "manual"):
+        out = tmp_path_factory.mktemp(f"qwen_{ddp}")
+        flags = ["--max-steps", "4", "--log-every", "2", "--ddp", ddp, "--grad-accum-steps", "2", "--verify-sync", "1"]
+        run = launch(qwen_args(tiny_qwen, out, *flags, "--optimizer", "sgd", "--lr", "0.5"), nproc=2)
+        assert_ok(run)
+        runs[ddp] = (run, out)
+    return runs
+
+
+def test_two_ranks_train_the_adapters_and_save_them_in_peft_format(two_rank_runs):
+    run, out = two_rank_runs["torch"]
     assert "trainable of" in run.stdout and "%)" in run.stdout
-    config, weights = saved_adapter(tmp_path)
+    config, weights = saved_adapter(out)
     assert config["r"] == 8 and config["lora_alpha"] == 16 and config["lora_dropout"] == 0.05
     assert sorted(config["target_modules"]) == ["q_proj", "v_proj"]
     assert weights and all("lora_" in k and not k.startswith("module.") for k in weights)
     lora_b = {k: v for k, v in weights.items() if "lora_B" in k}
     assert lora_b and all(v.abs().sum() > 0 for v in lora_b.values()), "every lora_B must move off zero"
-    assert (tmp_path / "qwen_lora" / "tokenizer_config.json").exists()
+    assert (out / "qwen_lora" / "tokenizer_config.json").exists()
     assert "[sample] Each rank" in run.stdout
+
+
+def test_only_the_adapter_gradients_travel(two_rank_runs):
+    run, out = two_rank_runs["torch"]
+    _, weights = saved_adapter(out)
+    adapter_mb = sum(w.numel() * 4 for w in weights.values()) / 2**20  # fp32 gradients
+    assert f"all-reduced 1 bucket(s), {adapter_mb:.2f} MB" in run.stdout
+
+
+def test_manual_ddp_trains_the_same_adapters_as_torch_ddp(two_rank_runs):
+    torch_weights = saved_adapter(two_rank_runs["torch"][1])[1]
+    manual_weights = saved_adapter(two_rank_runs["manual"][1])[1]
+    assert all(torch.equal(torch_weights[k], manual_weights[k]) for k in torch_weights)
 
 
 def test_gradient_checkpointing_under_ddp_still_trains_the_adapters(tiny_qwen, tmp_path):
@@ -55,7 +80,7 @@ def test_saved_adapter_reloads_with_the_trained_logits_and_the_base_is_untouched
     d = t.setup_distributed(cfg)  # one plain process
     kit = t.build_qwen_kit(cfg, d, corpus_lines)
     base_before = {k: v.clone() for k, v in kit.model.named_parameters() if not v.requires_grad}
-    t.train(cfg, d, kit)
+    t.train(cfg, d, kit, resume=None)
     kit.save_final(kit.model, 4)
 
     assert all(torch.equal(base_before[k], v) for k, v in kit.model.named_parameters() if not v.requires_grad), (

@@ -1,0 +1,144 @@
+"""What DDP does to every gradient, proven through the CLI and the saved checkpoints.
+
+The equivalences use plain SGD, dropout 0, fp32 on CPU. SGD moves each weight by exactly
+lr x gradient, so a gradient that is off by any factor shows up directly in the weights (Adam
+would divide such a factor back out). Runs that split the same global batch differently add
+the same token losses in a different order, so they agree to float32 rounding, not bitwise:
+we measured max |dparam| = 1.2e-7 here after 5 steps. We assert 1e-5: two orders above
+rounding, and far below what a real bug costs: doubling the gradient (a sum where a mean
+belongs) moves the weights by 0.45 in this setup, and averaging per-rank means instead of
+counting tokens globally by 9e-3 (see the tests below).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY, Run, assert_ok, launch
+
+TOLERANCE = 1e-5
+SGD = [*TINY, "--optimizer", "sgd", "--lr", "0.5", "--max-steps", "5", "--log-every", "1"]
+
+# name: (ranks (None = one plain process), extra flags)
+RUNS = {
+    "2 ranks x 4": (2, ["--batch-size", "4"]),
+    "1 rank x 8": (None, ["--batch-size", "8"]),
+    "1 rank x 4 x accumulation 2": (None, ["--batch-size", "4", "--grad-accum-steps", "2"]),
+    "2 ranks x 2 x accumulation 2": (2, ["--batch-size", "2", "--grad-accum-steps", "2"]),
+    "manual DDP, 2 ranks x 4": (
+        2,
+        ["--batch-size", "4", "--ddp", "manual", "--bucket-mb", "0.01", "--verify-sync", "1"],
+    ),
+    "manual DDP, 2 ranks x 2 x accumulation 2": (
+        2,
+        [
+            "--batch-size",
+            "2",
+            "--grad-accum-steps",
+            "2",
+            "--ddp",
+            "manual",
+            "--bucket-mb",
+            "0.01",
+            "--verify-sync",
+            "1",
+        ],
+    ),
+    "mean-of-means, 2 ranks x 4": (2, ["--batch-size", "4", "--loss-normalization", "mean-of-means"]),
+    "1 rank x 8, gradient doubled": (None, ["--batch-size", "8", "--lr", "1.0"]),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, tuple[Run, dict[str, torch.Tensor]]]:
+    """Run every configuration once; keep each one's output and final weights."""
+    results, root = {}, tmp_path_factory.mktemp("equivalence")
+    for i, (name, (nproc, flags)) in enumerate(RUNS.items()):
+        out = root / str(i)
+        run = launch([*SGD, *flags, "--output-dir", str(out)], nproc=nproc)
+        assert_ok(run)
+        results[name] = (run, torch.load(out / "tiny_transformer.pt", weights_only=True)["model"])
+    return results
+
+
+@pytest.fixture(scope="module")
+def trained(runs) -> dict[str, dict[str, torch.Tensor]]:
+    return {name: weights for name, (_, weights) in runs.items()}
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("other", ["1 rank x 8", "1 rank x 4 x accumulation 2", "2 ranks x 2 x accumulation 2"])
+def test_the_same_global_batch_gives_the_same_weights_however_it_is_split(trained, other):
+    diff = max_difference(trained["2 ranks x 4"], trained[other])
+    print(f"2 ranks x 4 vs {other}: max |dparam| = {diff:.3g}")
+    assert diff < TOLERANCE
+
+
+@pytest.mark.parametrize("manual, torch_ref", [
+    ("manual DDP, 2 ranks x 4", "2 ranks x 4"),
+    ("manual DDP, 2 ranks x 2 x accumulation 2", "2 ranks x 2 x accumulation 2"),
+])  # fmt: skip
+def test_manual_ddp_matches_torch_ddp_bitwise(trained, manual, torch_ref):
+    # Both sum the same two numbers per element (and divide by 2, which is exact), so the
+    # from-scratch all-reduce reproduces torch's bit for bit, whatever the bucket layout.
+    a, b = trained[manual], trained[torch_ref]
+    assert all(torch.equal(a[k], b[k]) for k in a), f"max |dparam| = {max_difference(a, b):.3g}"
+
+
+def test_mean_of_per_rank_means_is_not_the_global_mean(trained):
+    # Lines differ in length, so ranks hold different token counts; averaging their means
+    # weighs tokens unequally, and the weights drift from the exact global-batch result.
+    diff = max_difference(trained["2 ranks x 4"], trained["mean-of-means, 2 ranks x 4"])
+    print(f"mean-of-means vs global-tokens: max |dparam| = {diff:.3g}")
+    assert diff > 100 * TOLERANCE
+
+
+def test_the_tolerance_would_catch_a_factor_of_two(trained):
+    diff = max_difference(trained["1 rank x 8"], trained["1 rank x 8, gradient doubled"])
+    print(f"gradient x2: max |dparam| = {diff:.3g}")
+    assert diff > 100 * TOLERANCE
+
+
+def sent_per_step(run: Run) -> list[str]:
+    return [line.split("| all-reduced ")[1] for line in run.stdout.splitlines() if "| all-reduced" in line]
+
+
+@pytest.mark.parametrize("ddp", ["", "manual DDP, "])
+def test_accumulation_all_reduces_once_per_optimizer_step(runs, ddp):
+    # Two micro-steps per optimizer step, yet the same single bucket goes out once per step:
+    # the first micro-step ran inside no_sync() and sent nothing.
+    one = sent_per_step(runs[f"{ddp}2 ranks x 4"][0])
+    two = sent_per_step(runs[f"{ddp}2 ranks x 2 x accumulation 2"][0])
+    assert len(one) == len(two) == 5
+    assert len(set(one + two)) == 1, (one, two)
+    if not ddp:
+        assert one[0] == "1 bucket(s), 0.12 MB"
+
+
+def test_verify_sync_stops_every_rank_when_one_rank_diverges(tmp_path):
+    run = launch([*SGD, "--verify-sync", "1", "--inject-fault", "1:2:desync", "--output-dir", str(tmp_path)], nproc=2)
+    assert run.returncode == 1
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, run.stderr
+    assert "replicas diverged at step 2 (after the gradient all-reduce)" in errors[0]
+    assert "first differing tensor grad of tok_emb.weight; rank(s) [1] differ from rank 0" in errors[0]
+    assert not (tmp_path / "tiny_transformer.pt").exists()
+
+
+def test_inspect_reports_shards_buckets_and_gradients_rank_by_rank(tmp_path):
+    run = launch([*TINY, "--max-steps", "3", "--inspect", "--output-dir", str(tmp_path)], nproc=2)
+    assert_ok(run)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("[inspect]")]
+    shard_lines = [line for line in lines if "shard:" in line]
+    assert [line.split(":")[0] for line in shard_lines] == ["[inspect] rank 0"] * 2 + ["[inspect] rank 1"] * 2
+    assert "epoch 0 shard" in shard_lines[0] and "epoch 1 shard" in shard_lines[1]
+    assert any(line.startswith("[inspect]   bucket 0:") for line in lines)
+    for step in (1, 2, 3):
+        for rank in (0, 1):
+            assert any(f"rank {rank}: step {step}: local grad norm" in line and "cosine" in line for line in lines)
+        assert any(
+            f"step {step}: global-token mean loss" in line and "mean of per-rank means" in line for line in lines
+        )
