@@ -30,6 +30,7 @@ import random
 import shutil
 import signal
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -47,11 +48,14 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from tqdm import tqdm
 
 if TYPE_CHECKING:  # type hints only: the tiny path never imports transformers
     from transformers import PreTrainedTokenizerBase
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent / "corpus.txt"
+TINY_FINAL = "tiny_transformer.pt"  # the trained tiny model, in OUTPUT_DIR
+QWEN_FINAL = "qwen_lora"  # the trained adapters and tokenizer, in OUTPUT_DIR
 IGNORE_INDEX = -100  # target id that cross-entropy skips: padding never counts in the loss
 NEWLINE = 10  # the byte that opens and closes every line for the byte-level model
 
@@ -94,7 +98,18 @@ class RunConfig:
     batch_size: int
     max_steps: int
     lr: float
+    min_lr: float
+    warmup_steps: int
     weight_decay: float
+    grad_clip: float
+    precision: str
+    tf32: bool
+    # validation and reporting
+    val_fraction: float
+    eval_every: int
+    progress: str
+    metrics_file: Path | None
+    plot: bool
     # gradients: how they are synchronised, accumulated and normalised
     ddp: str
     bucket_mb: float
@@ -240,7 +255,32 @@ def build_arg_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--lr", type=_positive_float, default=None, help="peak learning rate (default: 3e-3 tiny, 2e-4 qwen)"
     )
-    g.add_argument("--weight-decay", type=_non_negative_float, default=0.01, help="AdamW weight decay")
+    g.add_argument("--min-lr", type=_non_negative_float, default=None, help="end of the cosine decay (default: lr/10)")
+    g.add_argument("--warmup-steps", type=_non_negative_int, default=20, help="linear warmup from 0 to --lr")
+    g.add_argument("--weight-decay", type=_non_negative_float, default=0.01, help="weight decay")
+    g.add_argument(
+        "--grad-clip", type=_non_negative_float, default=1.0, help="clip the global gradient norm to this (0: off)"
+    )
+    g.add_argument(
+        "--precision",
+        choices=["auto", "fp32", "bf16", "fp16"],
+        default="auto",
+        help="autocast: auto is bf16 on GPUs that support it, else fp32; fp16 (GPU only) uses a GradScaler",
+    )
+    g.add_argument(
+        "--tf32", action=argparse.BooleanOptionalAction, default=True, help="TF32 for fp32 matmuls on CUDA GPUs"
+    )
+
+    g = p.add_argument_group("validation and reporting")
+    g.add_argument("--val-fraction", type=_probability, default=0.1, help="share of lines held out for validation")
+    g.add_argument(
+        "--eval-every", type=_non_negative_int, default=100, help="steps between evaluations (0: at the end)"
+    )
+    g.add_argument(
+        "--progress", choices=["auto", "bar", "plain"], default="auto", help="auto: a bar on a terminal, else log lines"
+    )
+    g.add_argument("--metrics-file", type=Path, default=None, help="append one JSON object per logged step")
+    g.add_argument("--plot", action="store_true", help="write OUTPUT_DIR/loss.png at the end (needs matplotlib)")
 
     g = p.add_argument_group("gradients")
     g.add_argument("--ddp", choices=["torch", "manual"], default="torch", help="torch's DDP, or the from-scratch one")
@@ -307,6 +347,10 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     args = build_arg_parser().parse_args(argv)
     if args.lr is None:  # adapters on a pretrained model want a far gentler step than a model from scratch
         args.lr = 2e-4 if args.model == "qwen" else 3e-3
+    if args.min_lr is None:
+        args.min_lr = args.lr / 10
+    if args.min_lr > args.lr:
+        raise UsageError(f"--min-lr {args.min_lr:g} is above --lr {args.lr:g}")
     cfg = RunConfig(**vars(args))
     if cfg.d_model % cfg.n_heads:
         raise UsageError(f"--d-model {cfg.d_model} is not divisible by --n-heads {cfg.n_heads}")
@@ -436,9 +480,15 @@ def all_ranks_ok(d: Dist, ok: bool) -> bool:
     return all_reduce_sum(d, [0.0 if ok else 1.0])[0] == 0.0
 
 
+def say(message: str) -> None:
+    """Print a line on stdout without breaking a progress bar drawn on stderr."""
+    tqdm.write(message, file=sys.stdout)
+    sys.stdout.flush()
+
+
 def log(d: Dist, message: str) -> None:
     if d.is_main:
-        print(message, flush=True)
+        say(message)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -471,6 +521,9 @@ class Examples:
 
     inputs: torch.Tensor  # (N, T) int64
     targets: torch.Tensor  # (N, T) int64, IGNORE_INDEX on padding
+    # (N,) int64: UTF-8 bytes of text the targets spell out (a line's end counts as one byte).
+    # Loss per byte compares models whose tokens differ: a byte-level model and Qwen's BPE.
+    target_bytes: torch.Tensor
 
     def __len__(self) -> int:
         return self.inputs.shape[0]
@@ -495,7 +548,7 @@ def encode_lines_as_bytes(lines: list[str], seq_len: int) -> Examples:
         ids = torch.frombuffer(bytearray(w), dtype=torch.uint8).long()
         inputs[i, : len(ids) - 1] = ids[:-1]
         targets[i, : len(ids) - 1] = ids[1:]
-    return Examples(inputs, targets)
+    return Examples(inputs, targets, (targets != IGNORE_INDEX).sum(dim=1))
 
 
 def encode_lines_with_tokenizer(lines: list[str], tokenizer: PreTrainedTokenizerBase, seq_len: int) -> Examples:
@@ -511,11 +564,35 @@ def encode_lines_with_tokenizer(lines: list[str], tokenizer: PreTrainedTokenizer
     token_lists = tokenizer(lines, add_special_tokens=False)["input_ids"]
     inputs = torch.full((len(lines), seq_len), tokenizer.pad_token_id, dtype=torch.long)
     targets = torch.full((len(lines), seq_len), IGNORE_INDEX, dtype=torch.long)
+    target_bytes = torch.zeros(len(lines), dtype=torch.long)
     for i, ids in enumerate(token_lists):
         seq = torch.tensor([start, *ids, tokenizer.eos_token_id][: seq_len + 1])
         inputs[i, : len(seq) - 1] = seq[:-1]
         targets[i, : len(seq) - 1] = seq[1:]
-    return Examples(inputs, targets)
+        kept = ids[: len(seq) - 1]  # the line's tokens that survived truncation
+        ended = len(seq) - 1 > len(ids)  # the EOS target: the line's end, one byte like "\n"
+        target_bytes[i] = len(tokenizer.decode(kept).encode("utf-8")) + int(ended)
+    return Examples(inputs, targets, target_bytes)
+
+
+def split_lines(lines: list[str], val_fraction: float, seed: int) -> tuple[list[str], list[str]]:
+    """Hold out a fraction of the lines for validation: the same lines on every rank.
+
+    The split comes from a generator seeded by --seed alone (not by the rank), so all ranks
+    agree on it without talking; a rank-dependent split would leak held-out lines into
+    another rank's training data.
+    """
+    n_val = max(1, round(len(lines) * val_fraction)) if val_fraction else 0
+    if n_val >= len(lines):
+        raise UsageError(
+            f"corpus too small: {len(lines)} line(s) cannot be split into training and validation lines "
+            f"(--val-fraction {val_fraction}); add lines or pass --val-fraction 0"
+        )
+    order = torch.randperm(len(lines), generator=torch.Generator().manual_seed(seed)).tolist()
+    held_out = set(order[:n_val])
+    train = [line for i, line in enumerate(lines) if i not in held_out]
+    val = [line for i, line in enumerate(lines) if i in held_out]
+    return train, val
 
 
 def make_train_loader(examples: Examples, cfg: RunConfig, d: Dist) -> tuple[DataLoader, DistributedSampler]:
@@ -669,14 +746,17 @@ class ModelKit:
 
     model: nn.Module  # the plain model; DDP wraps it later
     train: Examples
+    val: Examples | None  # held-out lines (--val-fraction), None when there are none
     forward: Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (model, ids) -> logits
     sample: Callable[[nn.Module, str], str]  # (unwrapped model, prompt) -> text
     save_final: Callable[[nn.Module, int], Path]  # (unwrapped model, step) -> path written
-    final_label: str  # what save_final writes, for the log
+    final_name: str  # what save_final writes inside OUTPUT_DIR
+    final_label: str  # ... and what that is, for the log
+    flops_per_token: float  # training FLOPs per token, for MFU
     describe: str
 
 
-def build_tiny_kit(cfg: RunConfig, d: Dist, lines: list[str]) -> ModelKit:
+def build_tiny_kit(cfg: RunConfig, d: Dist, lines: list[str], val_lines: list[str]) -> ModelKit:
     config = TinyConfig(
         seq_len=cfg.seq_len, d_model=cfg.d_model, n_heads=cfg.n_heads, n_layers=cfg.n_layers, dropout=cfg.dropout
     )
@@ -687,23 +767,26 @@ def build_tiny_kit(cfg: RunConfig, d: Dist, lines: list[str]) -> ModelKit:
     n_params = sum(p.numel() for p in model.parameters())
 
     def save_final(raw: nn.Module, step: int) -> Path:
-        path = cfg.output_dir / "tiny_transformer.pt"
+        path = cfg.output_dir / TINY_FINAL
         atomic_torch_save({"model": raw.state_dict(), "config": asdict(config), "step": step}, path)
         return path
 
     return ModelKit(
         model=model,
         train=encode_lines_as_bytes(lines, cfg.seq_len),
+        val=encode_lines_as_bytes(val_lines, cfg.seq_len) if val_lines else None,
         forward=lambda m, ids: m(ids),
         sample=lambda raw, prompt: generate_bytes(raw, prompt, cfg.sample_tokens, cfg.seed),
         save_final=save_final,
+        final_name=TINY_FINAL,
         final_label="model checkpoint",
+        flops_per_token=training_flops_per_token(model, cfg.n_layers, cfg.d_model, cfg.seq_len),
         describe=f"tiny Transformer: {cfg.n_layers} layer(s), d_model {cfg.d_model}, "
         f"{cfg.n_heads} heads, {n_params:,} parameters",
     )
 
 
-def build_qwen_kit(cfg: RunConfig, d: Dist, lines: list[str]) -> ModelKit:
+def build_qwen_kit(cfg: RunConfig, d: Dist, lines: list[str], val_lines: list[str]) -> ModelKit:
     """A pretrained causal LM (Qwen2.5 by default) with LoRA adapters; only the adapters train."""
     from peft import LoraConfig, get_peft_model  # imported here: the tiny path never pays for it
 
@@ -744,7 +827,7 @@ def build_qwen_kit(cfg: RunConfig, d: Dist, lines: list[str]) -> ModelKit:
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
 
     def save_final(raw: nn.Module, step: int) -> Path:
-        path = cfg.output_dir / "qwen_lora"
+        path = cfg.output_dir / QWEN_FINAL
         with atomic_directory(path) as tmp:
             raw.save_pretrained(tmp)  # adapter_config.json + adapter_model.safetensors only
             tokenizer.save_pretrained(tmp)
@@ -765,12 +848,20 @@ def build_qwen_kit(cfg: RunConfig, d: Dist, lines: list[str]) -> ModelKit:
     return ModelKit(
         model=model,
         train=encode_lines_with_tokenizer(lines, tokenizer, cfg.seq_len),
+        val=encode_lines_with_tokenizer(val_lines, tokenizer, cfg.seq_len) if val_lines else None,
         # No attention mask: padding sits on the right, and causal attention never lets a real
         # token look right, so the pads cannot change any real position's output.
         forward=lambda m, ids: m(input_ids=ids, use_cache=False).logits,
         sample=sample,
         save_final=save_final,
+        final_name=QWEN_FINAL,
         final_label="LoRA adapters and tokenizer",
+        flops_per_token=training_flops_per_token(
+            model,
+            model.config.num_hidden_layers,
+            attention_width(model.config),
+            cfg.seq_len,
+        ),
         describe=f"{cfg.model_name_or_path} ({dtype}) + LoRA r={cfg.lora_r} alpha={cfg.lora_alpha:g} on "
         f"{','.join(cfg.lora_targets)}: {trainable:,} trainable of {total:,} parameters "
         f"({100 * trainable / total:.3f}%)",
@@ -847,6 +938,12 @@ def first_line(error: BaseException) -> str:
     text = str(error).strip()
     # Gloo appends advice ("This is typically caused by...") that buries the fact itself.
     return text.splitlines()[0].split(" This is typically")[0] if text else type(error).__name__
+
+
+def attention_width(config: object) -> int:
+    """Query heads x head size: the width of attention's score and mixing matmuls."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_attention_heads * head_dim
 
 
 def check_lora_targets(model: nn.Module, targets: tuple[str, ...]) -> None:
@@ -1080,7 +1177,7 @@ def print_in_rank_order(d: Dist, lines: list[str]) -> None:
     if d.is_main:
         for rank, rank_lines in enumerate(gathered):
             for line in rank_lines:
-                print(f"[inspect] rank {rank}: {line}", flush=True)
+                say(f"[inspect] rank {rank}: {line}")
 
 
 def describe_shards(d: Dist, sampler: DistributedSampler) -> list[str]:
@@ -1143,6 +1240,34 @@ def loss_scale(cfg: RunConfig, d: Dist, micro_tokens: int, global_tokens: float)
     return 1.0 / (micro_tokens * cfg.grad_accum_steps)
 
 
+def lr_at(cfg: RunConfig, step: int) -> float:
+    """Linear warmup from 0 to --lr over --warmup-steps, then cosine decay to --min-lr.
+
+    A pure function of the step, identical on every rank, so it needs no saved state.
+    """
+    warmup = min(cfg.warmup_steps, cfg.max_steps)
+    if step <= warmup:
+        return cfg.lr * step / warmup
+    done = (step - warmup) / max(1, cfg.max_steps - warmup)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(done, 1.0)))
+
+
+def choose_precision(cfg: RunConfig, d: Dist) -> str:
+    on_gpu = d.device.type == "cuda"
+    if cfg.precision == "auto":
+        return "bf16" if on_gpu and torch.cuda.is_bf16_supported() else "fp32"
+    if cfg.precision == "fp16" and not on_gpu:
+        raise UsageError("--precision fp16 needs a CUDA GPU (its GradScaler is CUDA-only); use bf16 or fp32 on CPU")
+    return cfg.precision
+
+
+def autocast_for(precision: str, d: Dist) -> contextlib.AbstractContextManager:
+    """Matmuls in bf16/fp16 inside forward; weights, gradients and optimizer stay fp32."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(d.device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+
+
 def make_optimizer(cfg: RunConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
     if cfg.optimizer == "sgd":
         # Plain SGD moves weights by exactly lr x gradient: a gradient off by a factor shows at
@@ -1195,9 +1320,8 @@ class Progress:
 @dataclass
 class TrainResult:
     progress: Progress
-    first_loss: float
-    last_loss: float
-    seconds: float
+    tokens: int  # trained on in this attempt (a resumed run counts from its checkpoint)
+    seconds: float  # spent in training steps in this attempt
     stopped_by: str | None  # the signal's name, when a stop request ended the run early
 
 
@@ -1229,36 +1353,40 @@ STOP = StopRequest()
 def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None) -> TrainResult:
     loader, sampler = make_train_loader(kit.train, cfg, d)
     named_params = [(n, p) for n, p in kit.model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named_params]
     stats = CommStats(named_params)
     model = wrap_data_parallel(kit.model, cfg, d, stats)
-    optimizer = make_optimizer(cfg, [p for _, p in named_params])
-    progress = apply_resume_state(resume, named_params, optimizer, d) if resume else Progress()
+    optimizer = make_optimizer(cfg, params)
+    precision = choose_precision(cfg, d)
+    # fp16 needs loss scaling: small gradients would underflow to zero. bf16 has fp32's range.
+    scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+    progress = apply_resume_state(resume, named_params, optimizer, scaler, d) if resume else Progress()
     k = cfg.grad_accum_steps
-    global_batch = cfg.batch_size * d.world_size * k
+    batch = cfg.batch_size * d.world_size * k  # the global batch, in examples
     steps_per_epoch = len(loader) // k
-    log(
-        d, f"[run] {d.world_size} rank(s) x {cfg.batch_size} examples x {k} micro-step(s) = global batch {global_batch}"
-    )
-    log(d, f"[run] up to {global_batch * cfg.seq_len:,} token positions per step (padding excluded from the loss)")
+    log(d, f"[run] {d.world_size} rank(s) x {cfg.batch_size} examples x {k} micro-step(s) = global batch {batch}")
+    log(d, f"[run] up to {batch * cfg.seq_len:,} token positions per step (padding excluded from the loss)")
     log(d, f"[run] {len(sampler)} examples per rank per epoch = {steps_per_epoch} steps per epoch")
     log(
         d,
         f"[run] gradient sync: {'torch DDP' if cfg.ddp == 'torch' else 'manual DDP (from scratch)'}, "
-        f"{cfg.bucket_mb:g} MB buckets; loss: {cfg.loss_normalization}; optimizer: {cfg.optimizer}",
+        f"{cfg.bucket_mb:g} MB buckets; loss: {cfg.loss_normalization}; optimizer: {cfg.optimizer}, "
+        f"lr {cfg.lr:g} (warmup {cfg.warmup_steps}, cosine to {cfg.min_lr:g}); precision {precision}",
     )
     if cfg.inspect:
         print_in_rank_order(d, describe_shards(d, sampler))
 
     def save_state() -> None:
-        save_training_state(cfg, d, training_state(cfg, d, kit, named_params, optimizer, progress), progress.step)
+        state = training_state(cfg, d, kit, named_params, optimizer, scaler, progress)
+        save_training_state(cfg, d, state, progress.step)
 
+    reporter = Reporter(cfg, d, kit, progress, precision)
     model.train()
     stream = steps_from(loader, sampler, k, progress.step)
-    first_loss = last_loss = float("nan")
-    window_tokens, stopped_by = 0, None
-    t_start = t_window = time.perf_counter()
+    stopped_by = None
     while progress.step < cfg.max_steps:
         step = progress.step + 1
+        t_step = time.perf_counter()
         fault = due_fault(cfg, d, step)
         if fault in ("kill", "raise"):
             crash_on_purpose(fault, d, step)
@@ -1272,16 +1400,21 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None) -> TrainR
             break
         inspecting = cfg.inspect and step <= INSPECT_STEPS
         stats.local_grads = {} if inspecting else None
+        lr = lr_at(cfg, step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
 
         loss_sum = torch.zeros((), device=d.device)
         for i, (inputs, targets) in enumerate(micro_batches):
             # The first k-1 micro-steps run forward *and* backward inside no_sync(): gradients
             # accumulate in .grad with no communication; the last one all-reduces the sum.
             with no_sync(model) if i < k - 1 else contextlib.nullcontext():
-                micro_loss = token_loss_sum(kit.forward(model, inputs), targets)
+                with autocast_for(precision, d):
+                    micro_loss = token_loss_sum(kit.forward(model, inputs), targets)
                 if fault == "nan":
                     micro_loss = micro_loss * float("nan")
-                (micro_loss * loss_scale(cfg, d, micro_tokens[i], global_tokens)).backward()
+                scaled = micro_loss * loss_scale(cfg, d, micro_tokens[i], global_tokens)
+                (scaler.scale(scaled) if scaler else scaled).backward()
             loss_sum += micro_loss.detach()
         finish_gradient_sync(model)
         calls, nbytes = stats.end_step()
@@ -1294,36 +1427,48 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None) -> TrainR
         # token count, is the loss of the global batch: the number the update follows.
         (global_loss_sum,) = all_reduce_sum(d, [loss_sum.item()])
         loss = global_loss_sum / global_tokens
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for _, p in named_params if p.grad is not None]).item()
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        if scaler:
+            scaler.unscale_(optimizer)  # clip and report the true gradient, not the scaled one
+        # The norm of the *synchronised* gradient: identical on every rank, so clipping keeps
+        # the replicas identical too.
+        grads = [p.grad for p in params if p.grad is not None]
+        grad_norm = (
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            if cfg.grad_clip
+            else torch.nn.utils.get_total_norm(grads)
+        ).item()
+        # With fp16 an overflowing gradient is routine: the scaler skips that step and lowers
+        # its scale, identically on every rank. Anything else non-finite stops the run.
+        if not math.isfinite(loss) or (not math.isfinite(grad_norm) and scaler is None):
             raise_non_finite(d, step, loss, grad_norm, loss_sum.item())
         if cfg.verify_sync and step % cfg.verify_sync == 0:
             verify_replicas_agree(d, step, "after the gradient all-reduce", trainable_grads(named_params))
         if inspecting:
             report_inspect_step(cfg, d, step, stats, (calls, nbytes), named_params, loss_sum.item(), micro_tokens)
-        optimizer.step()
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if cfg.verify_sync and step % cfg.verify_sync == 0:
             state = params_and_optimizer_state(named_params, optimizer)
             verify_replicas_agree(d, step, "after the optimizer step", state)
 
+        step_seconds = time.perf_counter() - t_step
         progress.step = step
         progress.tokens_seen += int(global_tokens)
-        first_loss = loss if math.isnan(first_loss) else first_loss
-        last_loss = loss
-        window_tokens += int(global_tokens)
-        if step % cfg.log_every == 0 or step == cfg.max_steps or step == 1:
-            now = time.perf_counter()
-            speed = window_tokens / (now - t_window)
-            progress.history.append({"step": step, "loss": loss})
-            sync = f" | all-reduced {calls} bucket(s), {nbytes / 2**20:.2f} MB" if d.distributed else ""
-            log(d, f"step {step:>5}/{cfg.max_steps} | loss {loss:.4f} | {speed:,.0f} tok/s{sync}")
-            t_window, window_tokens = now, 0
+        evaluating = kit.val is not None and (step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0))
+        val = evaluate(cfg, d, kit, precision) if evaluating else {}
+        metrics = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, **val}
+        sent = {"allreduce_calls": calls, "allreduce_bytes": nbytes}
+        reporter.step_done(metrics | sent, int(global_tokens), step_seconds, steps_per_epoch)
         if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.max_steps):
             save_state()
     if stopped_by:
         save_state()
-    return TrainResult(progress, first_loss, last_loss, time.perf_counter() - t_start, stopped_by)
+    reporter.close()
+    return TrainResult(progress, reporter.tokens, reporter.seconds, stopped_by)
 
 
 def raise_non_finite(d: Dist, step: int, loss: float, grad_norm: float, local_loss_sum: float) -> None:
@@ -1385,7 +1530,187 @@ def report_inspect_step(
 
 
 # ----------------------------------------------------------------------------------------------
-# 9. Save: rank 0 writes, everyone meets at a barrier
+# 9. Evaluate and report: held-out loss, the progress bar or log lines, metrics, plot, summary
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate(cfg: RunConfig, d: Dist, kit: ModelKit, precision: str) -> dict[str, float]:
+    """The exact token-weighted loss on the held-out lines, computed by all ranks together.
+
+    Rank r takes held-out examples r, r+W, r+2W, ...: every example exactly once. (A
+    DistributedSampler would repeat examples to give every rank the same count, and count
+    them twice.) Each rank runs the *unwrapped* model: no DDP hooks and no per-batch
+    collective, so shards of unequal size cannot leave a rank waiting. One all-reduce then
+    sums loss, tokens and bytes.
+    """
+    val, model = kit.val, kit.model
+    model.eval()
+    loss_sum = tokens = nbytes = 0.0
+    mine = torch.arange(d.rank, len(val), d.world_size)
+    for chunk in mine.split(cfg.batch_size):
+        targets = val.targets[chunk].to(d.device)
+        with autocast_for(precision, d):
+            loss_sum += token_loss_sum(kit.forward(model, val.inputs[chunk].to(d.device)), targets).item()
+        tokens += int((targets != IGNORE_INDEX).sum())
+        nbytes += int(val.target_bytes[chunk].sum())
+    model.train()
+    loss_sum, tokens, nbytes = all_reduce_sum(d, [loss_sum, tokens, nbytes])
+    loss = loss_sum / tokens
+    # Perplexity is per token, so it depends on the tokenizer; bits per byte does not, and
+    # compares the byte-level model with Qwen on the same text.
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_bpb": loss_sum / (math.log(2) * nbytes)}
+
+
+# Dense bf16/fp16 tensor-core peaks in FLOP/s, from the vendors' data sheets, for MFU.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "RTX 4090": 165e12}
+
+
+def peak_flops(d: Dist, precision: str) -> float | None:
+    if d.device.type != "cuda" or precision not in ("bf16", "fp16"):
+        return None
+    name = torch.cuda.get_device_name(d.device)
+    return next((peak for key, peak in PEAK_FLOPS.items() if key in name), None)
+
+
+def training_flops_per_token(model: nn.Module, n_layers: int, attention_width: int, seq_len: int) -> float:
+    """FLOPs to train on one token, for MFU (PaLM, appendix B, made LoRA-aware).
+
+    A weight multiplies each token twice in the forward pass (a multiply and an add), twice
+    more in backward for the input's gradient, and twice more for its own gradient: 6 per
+    trained weight, 4 per frozen one (no weight gradient). Attention's score and mixing
+    matmuls add 12 x layers x width x sequence length.
+    """
+    trained = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear) and m.weight.requires_grad)
+    frozen = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear) and not m.weight.requires_grad)
+    return 6 * trained + 4 * frozen + 12 * n_layers * attention_width * seq_len
+
+
+class Reporter:
+    """Rank 0's account of the run: a progress bar or log lines, the metrics file, the history.
+
+    Every number it reports was already reduced over all ranks; the other ranks stay quiet.
+    Speeds count training steps only (data, forward, backward, sync, update), not evaluation
+    or checkpoint writing.
+    """
+
+    def __init__(self, cfg: RunConfig, d: Dist, kit: ModelKit, progress: Progress, precision: str) -> None:
+        self.cfg, self.d, self.progress = cfg, d, progress
+        interactive = cfg.progress == "bar" or (cfg.progress == "auto" and sys.stderr.isatty())
+        self.show_bar = d.is_main and interactive
+        self.bar = tqdm(
+            total=cfg.max_steps, initial=progress.step, unit="step", dynamic_ncols=True, disable=not self.show_bar
+        )
+        self.flops_per_token, self.peak = kit.flops_per_token, peak_flops(d, precision)
+        self.window_tokens, self.window_seconds = 0, 0.0
+        self.tokens, self.seconds = 0, 0.0  # this attempt's totals
+        if d.is_main and cfg.metrics_file:
+            keep_metrics_up_to(cfg.metrics_file, progress.step)
+
+    def step_done(self, metrics: dict[str, float], tokens: int, seconds: float, steps_per_epoch: int) -> None:
+        step, cfg = int(metrics["step"]), self.cfg
+        self.window_tokens += tokens
+        self.window_seconds += seconds
+        self.tokens += tokens
+        self.seconds += seconds
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
+        if not (step % cfg.log_every == 0 or step in (1, cfg.max_steps) or "val_loss" in metrics):
+            return
+        speed = self.window_tokens / self.window_seconds
+        self.window_tokens, self.window_seconds = 0, 0.0
+        record = {
+            **metrics,
+            "tokens_per_sec": speed,  # real (non-padding) training tokens, all ranks together
+            "tokens_seen": self.progress.tokens_seen,
+            "epoch": (step - 1) // steps_per_epoch,
+        }
+        if self.peak:
+            record["mfu"] = speed * self.flops_per_token / (self.peak * self.d.world_size)
+        self.progress.history.append({k: record[k] for k in ("step", "loss", "val_loss") if k in record})
+        if not self.d.is_main:
+            return
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{speed:,.0f}")
+        line = format_metrics(record, cfg.max_steps, self.d.distributed)
+        if not self.show_bar:
+            say(line)
+        elif "val_loss" in record:
+            self.bar.write(line)
+        if cfg.metrics_file:
+            with open(cfg.metrics_file, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def format_metrics(r: dict[str, float], max_steps: int, distributed: bool) -> str:
+    line = (
+        f"step {int(r['step']):>5}/{max_steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
+        f"grad norm {r['grad_norm']:.3f} | {r['tokens_per_sec']:,.0f} tok/s"
+    )
+    if distributed:
+        line += f" | all-reduced {r['allreduce_calls']} bucket(s), {r['allreduce_bytes'] / 2**20:.2f} MB"
+    if "mfu" in r:
+        line += f" | MFU {100 * r['mfu']:.1f}%"
+    if "val_loss" in r:
+        line += f" | val loss {r['val_loss']:.4f}, ppl {r['val_ppl']:.2f}, {r['val_bpb']:.3f} bits/byte"
+    return line
+
+
+def keep_metrics_up_to(path: Path, step: int) -> None:
+    """A resumed run redoes the steps after its checkpoint; drop their first-attempt records."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    atomic_write(path, "".join(line + "\n" for line in kept).encode())
+
+
+def write_loss_plot(cfg: RunConfig, history: list[dict[str, float]]) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no window, no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        say("[plot] skipped: matplotlib is not installed (pip install matplotlib)")
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([h["step"] for h in history], [h["loss"] for h in history], label="train loss (global batch)")
+    val = [h for h in history if "val_loss" in h]
+    if val:
+        ax.plot([h["step"] for h in val], [h["val_loss"] for h in val], "o-", label="validation loss")
+    ax.set(xlabel="optimizer step", ylabel="cross-entropy (nats per token)", title=f"{cfg.model} model")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    path = cfg.output_dir / "loss.png"
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def print_summary(cfg: RunConfig, d: Dist, result: TrainResult, wall_seconds: float, outputs: list[Path]) -> None:
+    history = result.progress.history
+    last_val = next((h for h in reversed(history) if "val_loss" in h), None)
+    speed = f"{result.tokens / result.seconds:,.0f} (this attempt's training steps)" if result.seconds else "-"
+    train_loss = (
+        f"{history[0]['loss']:.4f} at step {history[0]['step']} -> {history[-1]['loss']:.4f}" if history else "-"
+    )
+    rows = [
+        ("steps", f"{result.progress.step:,} x global batch {cfg.batch_size * d.world_size * cfg.grad_accum_steps}"),
+        ("tokens seen", f"{result.progress.tokens_seen:,} (real, non-padding)"),
+        ("wall time", f"{wall_seconds:.1f} s (training steps {result.seconds:.1f} s)"),
+        ("tokens/s", speed),
+        ("train loss", train_loss),
+        ("val loss", f"{last_val['val_loss']:.4f} at step {last_val['step']}" if last_val else "- (no held-out lines)"),
+        ("outputs", ", ".join(str(p) for p in outputs)),
+    ]
+    width = max(len(k) for k, _ in rows)
+    say("[summary]\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows))
+
+
+# ----------------------------------------------------------------------------------------------
+# 10. Save: rank 0 writes, everyone meets at a barrier
 # ----------------------------------------------------------------------------------------------
 
 
@@ -1430,21 +1755,32 @@ def atomic_directory(path: Path) -> Iterator[Path]:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def rank0_writes(d: Dist, what: str, write: Callable[[], Path]) -> None:
+def rank0_writes(d: Dist, what: str, write: Callable[[], Path | None], error: type[Exception] = TrainingError) -> None:
     """Rank 0 runs `write`; then all ranks meet at a barrier that also carries the outcome.
 
     The barrier sits outside the rank-0 branch: every rank must reach it, or the ones that
     do would wait for ever. Carrying the outcome means a failed write stops every rank.
     """
-    error = ""
+    problem = ""
     if d.is_main:
         try:
             path = write()
-            print(f"[save] {what}: {path}", flush=True)
+            if path:
+                say(f"[save] {what}: {path}")
         except OSError as e:
-            error = f"could not write {what}: {e}"
-    if not all_ranks_ok(d, not error):
-        raise TrainingError(error or f"rank 0 could not write {what}")
+            problem = f"could not write {what}: {e}"
+    if not all_ranks_ok(d, not problem):
+        raise error(problem or f"rank 0 could not write {what}")
+
+
+def prepare_outputs(cfg: RunConfig) -> None:
+    """Fail at the start, not after hours of training, if rank 0 cannot write its outputs."""
+    cfg.output_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=cfg.output_dir):
+        pass
+    if cfg.metrics_file:
+        cfg.metrics_file.parent.mkdir(parents=True, exist_ok=True)
+        cfg.metrics_file.touch()
 
 
 # Full training state: everything a resumed run needs to continue bit for bit.
@@ -1519,6 +1855,7 @@ def training_state(
     kit: ModelKit,
     named_params: list[tuple[str, nn.Parameter]],
     optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
     progress: Progress,
 ) -> dict:
     """Gather the state on rank 0 (a collective: the RNG states come from every rank)."""
@@ -1533,6 +1870,7 @@ def training_state(
         # base comes back from --model-name-or-path).
         "trainable": {n: p.detach().cpu() for n, p in named_params},
         "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict() if scaler else None,
         "rng": rng,  # indexed by rank: each rank's dropout stream continues where it was
         "settings": run_settings(cfg, d, kit),
     }
@@ -1618,25 +1956,22 @@ def choose_checkpoint(cfg: RunConfig, settings: dict) -> dict | None:
             # Starting over must not mix this run's checkpoints with an earlier run's.
             aside = cfg.output_dir / f"checkpoints.before-{time.strftime('%Y%m%d-%H%M%S')}"
             os.replace(checkpoint_root(cfg), aside)
-            print(f"[resume] --resume none: moved the earlier run's checkpoints to {aside}", flush=True)
+            say(f"[resume] --resume none: moved the earlier run's checkpoints to {aside}")
         return None
     if cfg.resume != "auto":
         folder = Path(cfg.resume)
         state = read_checkpoint(folder.parent if folder.is_file() else folder)
         check_same_run(state, settings, folder)
-        print(f"[resume] continuing from {folder} (step {state['progress']['step']})", flush=True)
+        say(f"[resume] continuing from {folder} (step {state['progress']['step']})")
         return state
     for folder in checkpoint_folders(cfg):
         try:
             state = read_checkpoint(folder)
         except UsageError as e:
-            print(f"[resume] skipping {e}", flush=True)
+            say(f"[resume] skipping {e}")
             continue
         check_same_run(state, settings, folder)
-        print(
-            f"[resume] continuing from {folder} (step {state['progress']['step']}, the newest complete checkpoint)",
-            flush=True,
-        )
+        say(f"[resume] continuing from {folder} (step {state['progress']['step']}, the newest complete checkpoint)")
         return state
     return None
 
@@ -1652,46 +1987,60 @@ def check_same_run(state: dict, settings: dict, folder: Path) -> None:
 
 
 def apply_resume_state(
-    state: dict, named_params: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer, d: Dist
+    state: dict,
+    named_params: list[tuple[str, nn.Parameter]],
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    d: Dist,
 ) -> Progress:
     with torch.no_grad():
         for name, p in named_params:
             p.copy_(state["trainable"][name])
     optimizer.load_state_dict(state["optimizer"])
+    if scaler and state["scaler"]:
+        scaler.load_state_dict(state["scaler"])
     restore_rng(state["rng"][d.rank], d)
     return Progress(**state["progress"])
 
 
 # ----------------------------------------------------------------------------------------------
-# 10. Main: launch -> connect -> shard -> train -> sync -> save -> sample
+# 11. Main: launch -> connect -> shard -> train -> sync -> save -> sample
 # ----------------------------------------------------------------------------------------------
 
 
-def run(cfg: RunConfig, d: Dist) -> None:
+def run(cfg: RunConfig, d: Dist, started: float) -> None:
     log(d, f"[launch] {d.world_size} process(es); this is rank {d.rank} (local rank {d.local_rank})")
     log(d, f"[connect] backend {d.backend or 'none'} on {d.device}: {d.why}")
-    lines = read_corpus_lines(cfg.corpus_file)
-    kit = (build_qwen_kit if cfg.model == "qwen" else build_tiny_kit)(cfg, d, lines)
-    log(d, f"[data] {cfg.corpus_file}: {len(lines)} lines -> {len(kit.train)} examples of {cfg.seq_len} tokens")
+    if d.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32  # fp32 matmuls on tensor cores: ~10 bits of mantissa
+    lines, val_lines = split_lines(read_corpus_lines(cfg.corpus_file), cfg.val_fraction, cfg.seed)
+    kit = (build_qwen_kit if cfg.model == "qwen" else build_tiny_kit)(cfg, d, lines, val_lines)
+    log(
+        d,
+        f"[data] {cfg.corpus_file}: {len(lines)} training lines -> {len(kit.train)} examples of {cfg.seq_len} tokens; "
+        f"{len(val_lines)} lines held out for validation",
+    )
     log(d, f"[model] {kit.describe}")
 
+    rank0_writes(d, "the outputs", lambda: prepare_outputs(cfg), error=UsageError)
     resume = find_resume_state(cfg, d, kit)
     result = train(cfg, d, kit, resume)
     step = result.progress.step
     if result.stopped_by:
         log(d, f"[stop] {result.stopped_by}: every rank stopped after step {step}; the same command resumes there")
         raise SystemExit(EXIT_STOPPED)
+    outputs = [cfg.output_dir / kit.final_name]
     rank0_writes(d, kit.final_label, lambda: kit.save_final(kit.model, step))
     if d.is_main:
         kit.model.eval()
         # The unwrapped model: a forward through the DDP wrapper may talk to the other ranks,
         # which have moved on. Sampling is local to rank 0.
-        print(f"[sample] {kit.sample(kit.model, cfg.prompt)}", flush=True)
-        print(
-            f"[done] {step} steps, loss {result.first_loss:.4f} -> {result.last_loss:.4f}, "
-            f"{result.progress.tokens_seen:,} tokens in {result.seconds:.1f} s",
-            flush=True,
-        )
+        say(f"[sample] {kit.sample(kit.model, cfg.prompt)}")
+        if cfg.plot and (plot := write_loss_plot(cfg, result.progress.history)):
+            outputs.append(plot)
+        if cfg.metrics_file:
+            outputs.append(cfg.metrics_file)
+        print_summary(cfg, d, result, time.perf_counter() - started, outputs)
 
 
 EXIT_STOPPED = 3  # stopped cleanly by a signal, checkpoint written, not finished
@@ -1713,6 +2062,7 @@ def report_error(message: str) -> None:
 
 @record  # a rank's uncaught exception is written where torchrun can show it as the root cause
 def main(argv: list[str] | None = None) -> None:
+    started = time.perf_counter()
     try:
         cfg = parse_args(argv)
         d = setup_distributed(cfg)
@@ -1721,7 +2071,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     STOP.install()
     try:
-        run(cfg, d)
+        run(cfg, d, started)
     except UsageError as e:
         report_error(str(e))
         raise SystemExit(2) from None

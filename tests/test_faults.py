@@ -7,6 +7,7 @@ the examples it had not seen, with the same optimizer state.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -49,7 +50,8 @@ def test_a_killed_worker_is_restarted_by_torchrun_and_resumes_bit_exactly(uninte
 
 
 def test_sigterm_stops_every_rank_with_a_checkpoint_and_the_same_command_finishes(uninterrupted, tmp_path):
-    args = [*RUN, "--output-dir", str(tmp_path), "--log-every", "1"]
+    metrics = tmp_path / "metrics.jsonl"
+    args = [*RUN, "--output-dir", str(tmp_path), "--log-every", "1", "--metrics-file", str(metrics)]
     proc = subprocess.Popen(torchrun_cmd(2, args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=child_env(), start_new_session=True)  # fmt: skip
     try:
@@ -72,10 +74,12 @@ def test_sigterm_stops_every_rank_with_a_checkpoint_and_the_same_command_finishe
     print(f"SIGTERM to exit: {stop_seconds:.1f} s, stopped after step {stopped_at}")
     assert stop_seconds < 20
 
-    resumed = launch([*RUN, "--output-dir", str(tmp_path)], nproc=2)
+    resumed = launch([*RUN, "--output-dir", str(tmp_path), "--log-every", "1", "--metrics-file", str(metrics)], nproc=2)
     assert_ok(resumed)
     assert f"(step {stopped_at}" in resumed.stdout
     assert_bitwise_equal(weights(uninterrupted), weights(tmp_path))
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == list(range(1, 121)), "the metrics file holds every step exactly once"
 
 
 def test_a_crash_during_a_checkpoint_write_never_leaves_a_loadable_partial(uninterrupted, tmp_path):

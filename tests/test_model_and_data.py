@@ -44,7 +44,9 @@ def test_long_lines_are_windowed_so_every_byte_is_a_target_once():
 
 
 def shard_indices(n: int, world: int, batch: int, epoch: int) -> list[list[int]]:
-    ex = t.Examples(torch.zeros(n, 4, dtype=torch.long), torch.zeros(n, 4, dtype=torch.long))
+    ex = t.Examples(
+        torch.zeros(n, 4, dtype=torch.long), torch.zeros(n, 4, dtype=torch.long), torch.ones(n, dtype=torch.long)
+    )
     cfg = t.parse_args(["--batch-size", str(batch), "--seed", "7"])
     shards = []
     for rank in range(world):

@@ -1,0 +1,170 @@
+"""What users of a training script expect, each checked through the CLI: schedule, clipping,
+validation, precision, progress display, metrics file, plot and summary."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import pty
+import select
+import struct
+import subprocess
+import sys
+import termios
+import time
+
+import pytest
+import torch
+from conftest import SCRIPT, TINY, assert_ok, child_env, launch
+
+import llm_ddp_parallel_training as t
+
+LR, MIN_LR, WARMUP, STEPS = 0.004, 0.0004, 10, 30
+VAL_FRACTION = 0.05  # 19 of 375 lines: an odd count that two ranks cannot split evenly
+
+
+@pytest.fixture(scope="module")
+def reported(tmp_path_factory):
+    """One two-rank run with validation, a metrics file and a plot."""
+    out = tmp_path_factory.mktemp("reported")
+    args = [*TINY, "--max-steps", str(STEPS), "--warmup-steps", str(WARMUP), "--lr", str(LR), "--min-lr", str(MIN_LR),
+            "--log-every", "1", "--eval-every", "10", "--val-fraction", str(VAL_FRACTION),
+            "--metrics-file", str(out / "metrics.jsonl"), "--plot", "--output-dir", str(out)]  # fmt: skip
+    run = launch(args, nproc=2)
+    assert_ok(run)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return run, out, records
+
+
+def test_the_metrics_file_has_one_record_per_step_from_rank_0_only(reported):
+    _, _, records = reported
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for r in records:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_sec"} <= r.keys()
+        assert r["tokens_per_sec"] > 0 and math.isfinite(r["loss"]) and r["grad_norm"] > 0
+    assert [r["step"] for r in records if "val_loss" in r] == [10, 20, 30]
+    assert all({"val_ppl", "val_bpb"} <= r.keys() for r in records if "val_loss" in r)
+
+
+def test_learning_rate_warms_up_linearly_then_decays_by_cosine(reported):
+    lrs = {r["step"]: r["lr"] for r in reported[2]}
+    for step in range(1, WARMUP + 1):
+        assert lrs[step] == pytest.approx(LR * step / WARMUP)
+    for step in range(WARMUP + 1, STEPS + 1):
+        done = (step - WARMUP) / (STEPS - WARMUP)
+        assert lrs[step] == pytest.approx(MIN_LR + 0.5 * (LR - MIN_LR) * (1 + math.cos(math.pi * done)))
+    assert lrs[STEPS] == pytest.approx(MIN_LR)
+
+
+def test_validation_loss_equals_a_direct_single_process_computation(reported, corpus_lines):
+    _, out, records = reported
+    model = t.load_tiny_checkpoint(out / "tiny_transformer.pt")
+    _, val_lines = t.split_lines(corpus_lines, VAL_FRACTION, seed=1337)
+    assert len(val_lines) % 2 == 1
+    val = t.encode_lines_as_bytes(val_lines, seq_len=64)
+    with torch.no_grad():
+        loss_sum = t.token_loss_sum(model(val.inputs), val.targets).item()
+        tokens = int((val.targets != t.IGNORE_INDEX).sum())
+        # What a DistributedSampler's padding would do: repeat the first example.
+        padded = loss_sum + t.token_loss_sum(model(val.inputs[:1]), val.targets[:1]).item()
+    direct = loss_sum / tokens
+    reported_loss = records[-1]["val_loss"]
+    assert reported_loss == pytest.approx(direct, rel=1e-5)
+    assert abs(padded / (tokens + int((val.targets[:1] != t.IGNORE_INDEX).sum())) - direct) > 1e-4
+    assert records[-1]["val_ppl"] == pytest.approx(math.exp(direct), rel=1e-5)
+    assert records[-1]["val_bpb"] == pytest.approx(loss_sum / math.log(2) / int(val.target_bytes.sum()), rel=1e-5)
+
+
+def test_the_plot_is_a_png_of_train_and_validation_loss(reported):
+    pytest.importorskip("matplotlib")
+    import matplotlib.image
+
+    png = reported[1] / "loss.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    height, width, _ = matplotlib.image.imread(png).shape
+    assert height > 100 and width > 100
+
+
+def test_the_summary_reports_steps_tokens_time_losses_and_outputs(reported):
+    run, out, records = reported
+    summary = run.stdout.split("[summary]")[1]
+    for row in ("steps", "tokens seen", "wall time", "tokens/s", "train loss", "val loss", "outputs"):
+        assert f"  {row} " in summary
+    assert f"{records[-1]['tokens_seen']:,}" in summary and str(out / "loss.png") in summary
+
+
+def test_a_missing_matplotlib_is_one_line_not_a_failure(tmp_path):
+    blocker = tmp_path / "no_matplotlib" / "matplotlib"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('matplotlib is not installed here')\n")
+    env = child_env({"PYTHONPATH": f"{blocker.parent}{os.pathsep}{child_env()['PYTHONPATH']}"})
+    run = launch([*TINY, "--max-steps", "2", "--plot", "--output-dir", str(tmp_path)], env=env)
+    assert_ok(run)
+    assert "[plot] skipped: matplotlib is not installed" in run.stdout
+    assert not (tmp_path / "loss.png").exists()
+
+
+def test_gradient_clipping_caps_the_synchronised_global_norm(tmp_path):
+    # One SGD step from the seeded initial weights: with the norm clipped to 0.1 the weights
+    # move by exactly lr x 0.1. Clipping each rank's gradient before the all-reduce would not
+    # give this: the average of two clipped vectors is shorter than either.
+    clip, lr = 0.1, 0.5
+    args = [*TINY, "--optimizer", "sgd", "--lr", str(lr), "--min-lr", str(lr), "--warmup-steps", "0",
+            "--weight-decay", "0", "--grad-clip", str(clip), "--max-steps", "1", "--output-dir", str(tmp_path),
+            "--metrics-file", str(tmp_path / "m.jsonl")]  # fmt: skip
+    assert_ok(launch(args, nproc=2))
+    torch.manual_seed(1337)
+    start = t.TinyTransformer(t.TinyConfig(seq_len=64, d_model=32, n_heads=2, n_layers=1)).state_dict()
+    end = t.load_tiny_checkpoint(tmp_path / "tiny_transformer.pt").state_dict()
+    moved = math.sqrt(sum((end[k] - start[k]).double().square().sum().item() for k in start))
+    assert json.loads((tmp_path / "m.jsonl").read_text())["grad_norm"] > clip  # the norm before clipping
+    assert moved == pytest.approx(lr * clip, rel=1e-4)
+
+
+def test_bf16_autocast_runs_and_learns_on_cpu(tmp_path):
+    args = [*TINY, "--precision", "bf16", "--max-steps", "30", "--log-every", "10", "--output-dir", str(tmp_path)]
+    run = launch(args, nproc=2)
+    assert_ok(run)
+    assert "precision bf16" in run.stdout
+    losses = run.losses()
+    assert losses[-1] < losses[0] - 1.0, losses
+
+
+def test_fp16_is_refused_on_cpu():
+    run = launch([*TINY, "--precision", "fp16"])
+    assert run.returncode == 2 and "--precision fp16 needs a CUDA GPU" in run.stderr
+
+
+def test_a_terminal_gets_a_progress_bar_and_a_pipe_gets_log_lines(tmp_path, reported):
+    piped = reported[0]
+    assert "step     1/30 | loss" in piped.stdout
+    assert "step/s" not in piped.output and "s/step" not in piped.output
+    # The same script on a terminal (a pseudo-terminal, 120 columns): a tqdm bar, no per-step lines.
+    main, child = pty.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), *TINY, "--max-steps", "5", "--output-dir", str(tmp_path)],
+        stdin=child, stdout=child, stderr=child, env=child_env(), close_fds=True,
+    )  # fmt: skip
+    os.close(child)
+    chunks, deadline = [], time.monotonic() + 60
+    while True:
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("timed out on the terminal")
+        if not select.select([main], [], [], 1)[0]:
+            continue
+        try:
+            data = os.read(main, 4096)
+        except OSError:  # the terminal closed: the process has exited
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert proc.wait(timeout=60) == 0
+    screen = b"".join(chunks).decode(errors="replace")
+    assert "5/5" in screen and ("step/s" in screen or "s/step" in screen), screen
+    assert "step     1/5 | loss" not in screen
+    assert "[summary]" in screen
