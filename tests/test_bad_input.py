@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from conftest import TINY, launch
+
+import llm_ddp_parallel_training as t
 
 SCRIPT_FRAME = 'llm_ddp_parallel_training.py", line'  # a traceback frame from our own code
 
@@ -25,10 +29,9 @@ def write(path, data: bytes):
     return str(path)
 
 
-@pytest.mark.parametrize("nproc", [None, 2])
-def test_missing_corpus(tmp_path, nproc):
-    run = launch([*TINY, "--corpus-file", str(tmp_path / "nope.txt")], nproc=nproc)
-    assert_one_clear_error(run, "corpus file not found", nproc)
+def test_missing_corpus(tmp_path):
+    run = launch([*TINY, "--corpus-file", str(tmp_path / "nope.txt")], nproc=2)
+    assert_one_clear_error(run, "corpus file not found", 2)
 
 
 def test_empty_corpus(tmp_path):
@@ -58,12 +61,19 @@ def test_corpus_too_small_for_one_batch_per_rank(tmp_path):
         ("--n-heads", "3", "not divisible by --n-heads 3"),
     ],
 )
-def test_impossible_sizes(flag, value, expected):
-    assert_one_clear_error(launch([*TINY, flag, value]), expected, None)
+def test_impossible_sizes_are_refused_with_a_message_naming_the_flag(flag, value, expected):
+    with pytest.raises(t.UsageError, match=re.escape(expected)):
+        t.parse_args([*TINY, flag, value])
 
 
-def test_impossible_sizes_under_torchrun():
-    assert_one_clear_error(launch([*TINY, "--batch-size", "0"], nproc=2), "--batch-size", 2)
+def test_an_impossible_size_ends_every_rank_with_one_line():
+    assert_one_clear_error(launch([*TINY, "--batch-size", "0"], nproc=2), "--batch-size: must be a positive integer", 2)
+
+
+def test_a_single_process_reports_bad_input_the_same_way():
+    assert_one_clear_error(
+        launch([*TINY, "--max-steps", "-3"]), "--max-steps: must be a positive integer, got -3", None
+    )
 
 
 def test_nccl_with_cpu_flag():

@@ -29,7 +29,7 @@ def test_changing_a_future_byte_never_changes_earlier_logits():
 
 
 def test_lines_become_newline_framed_byte_examples_with_padding_ignored():
-    ex = t.encode_lines_as_bytes(["ab"], seq_len=8)
+    ex = t.encode_lines_as_bytes(["ab"], seq_len=8, pack=False)
     # "\nab\n": inputs "\nab", targets "ab\n", the rest is padding that the loss skips
     assert ex.inputs[0, :3].tolist() == [10, 97, 98]
     assert ex.targets[0, :3].tolist() == [97, 98, 10]
@@ -38,9 +38,18 @@ def test_lines_become_newline_framed_byte_examples_with_padding_ignored():
 
 def test_long_lines_are_windowed_so_every_byte_is_a_target_once():
     line = "x" * 20 + "é"  # 23 bytes of UTF-8 inside the newlines
-    ex = t.encode_lines_as_bytes([line], seq_len=8)
+    ex = t.encode_lines_as_bytes([line], seq_len=8, pack=False)
     targets = ex.targets[ex.targets != t.IGNORE_INDEX].tolist()
     assert bytes(targets) == (line + "\n").encode()
+
+
+def test_packed_lines_fill_every_window_and_keep_every_byte():
+    lines = ["first line", "second", "a third, longer line of text"]
+    ex = t.encode_lines_as_bytes(lines, seq_len=8, pack=True)
+    assert (ex.targets[:-1] != t.IGNORE_INDEX).all(), "only the last window may be padded"
+    targets = ex.targets[ex.targets != t.IGNORE_INDEX].tolist()
+    assert bytes(targets) == ("\n".join(lines) + "\n").encode()
+    assert ex.target_bytes.sum() == len(targets)
 
 
 def shard_indices(n: int, world: int, batch: int, epoch: int) -> list[list[int]]:

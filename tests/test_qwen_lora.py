@@ -57,7 +57,7 @@ def test_only_the_adapter_gradients_travel(two_rank_runs):
     run, out = two_rank_runs["torch"]
     _, weights = saved_adapter(out)
     adapter_mb = sum(w.numel() * 4 for w in weights.values()) / 2**20  # fp32 gradients
-    assert f"all-reduced 1 bucket(s), {adapter_mb:.2f} MB" in run.stdout
+    assert f"all-reduced 1 bucket(s), {adapter_mb:.2f} MiB" in run.stdout
 
 
 def test_manual_ddp_trains_the_same_adapters_as_torch_ddp(two_rank_runs):
@@ -96,14 +96,15 @@ def test_saved_adapter_reloads_with_the_trained_logits_and_the_base_is_untouched
     assert torch.equal(trained, again)
 
 
-def test_a_model_that_cannot_be_loaded_stops_every_rank_with_one_line(tmp_path):
-    for name in ("Qwen/Qwen2.5-0.5B-Instructt", str(tmp_path / "no_such_model")):
-        run = launch(qwen_args(name, tmp_path), nproc=2)
-        assert run.returncode != 0
-        errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
-        assert len(errors) == 1 and "cannot load model" in errors[0] and name in errors[0], run.stderr
-        assert 'llm_ddp_parallel_training.py", line' not in run.output
-        assert run.seconds < 60
+@pytest.mark.parametrize("name, nproc", [("Qwen/Qwen2.5-0.5B-Instructt", 2), ("{tmp}/no_such_model", None)])
+def test_a_model_that_cannot_be_loaded_stops_every_rank_with_one_line(tmp_path, name, nproc):
+    name = name.format(tmp=tmp_path)
+    run = launch(qwen_args(name, tmp_path), nproc=nproc)
+    assert run.returncode != 0
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "cannot load model" in errors[0] and name in errors[0], run.stderr
+    assert 'llm_ddp_parallel_training.py", line' not in run.output
+    assert run.seconds < 60
 
 
 def test_lora_targets_the_model_lacks_are_named_with_the_layers_it_has(tiny_qwen, tmp_path):

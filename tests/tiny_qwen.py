@@ -17,7 +17,9 @@ import torch
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def build_tiny_qwen(out_dir: Path, lines: list[str], vocab_size: int = 400, seed: int = 0) -> Path:
+def build_tiny_qwen(out_dir: Path, lines: list[str], vocab_size: int = 400, seed: int = 0, **config: object) -> Path:
+    """Save a random Qwen2ForCausalLM and its tokenizer in out_dir. `config` overrides the tiny
+    shape (the GPU benchmark passes Qwen2.5-0.5B's exact configuration)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX, Qwen2Tokenizer
@@ -52,18 +54,17 @@ def build_tiny_qwen(out_dir: Path, lines: list[str], vocab_size: int = 400, seed
     tokenizer.save_pretrained(out_dir)
 
     eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,  # grouped KV heads, as in Qwen2.5
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        bos_token_id=eos,
-        eos_token_id=eos,
-    )
+    shape = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,  # grouped KV heads, as in Qwen2.5
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": True,
+    }
+    config = Qwen2Config(**(shape | config), bos_token_id=eos, eos_token_id=eos)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
