@@ -6,9 +6,13 @@ One file, read top to bottom, follows one training run:
     2. Launch        torchrun starts one process per rank; each reads its rank from the environment
     3. Connect       the ranks join a process group (NCCL on Linux GPUs, Gloo on CPU)
     4. Shard         a DistributedSampler hands every rank a disjoint slice of each epoch
-    5. Train         forward and backward on the local slice; DDP all-reduces the gradients
-    6. Sync          every rank applies the same averaged gradient, so the replicas stay identical
-    7. Save          rank 0 alone writes the checkpoint while the others wait at a barrier
+    5. Models        a byte-level Transformer from scratch, or Qwen2.5 with LoRA adapters
+    6. Sync          DDP all-reduces the gradients during backward (torch's, or one from scratch)
+    7. Check         replicas verified identical (--verify-sync); the learner's report (--inspect)
+    8. Train         one loop for both models: forward, backward, sync, clip, step
+    9. Evaluate      held-out loss, progress, metrics, plot, summary
+   10. Save          rank 0 alone writes while the others wait at a barrier; checkpoints and resume
+   11. Main          the stages in order, and one clear exit on every path
 
 Run it as one plain process, or under torchrun on one or many machines:
 
