@@ -565,6 +565,11 @@ class Examples(Dataset):
         return hashlib.sha256(self.inputs.numpy().tobytes() + self.targets.numpy().tobytes()).hexdigest()
 
 
+def packed_stream(lines: list[str]) -> bytes:
+    """The lines as one byte stream, each framed by newlines (b"\n" + line + b"\n", sharing them)."""
+    return b"\n" + b"\n".join(line.encode("utf-8") for line in lines) + b"\n"
+
+
 class ShiftingWindows(Dataset):
     """Packed training data: one byte stream, cut into seq_len windows at an offset that moves
     every epoch. Every window is full: no compute goes to padding.
@@ -576,8 +581,7 @@ class ShiftingWindows(Dataset):
     """
 
     def __init__(self, lines: list[str], seq_len: int, seed: int) -> None:
-        data = b"\n" + b"\n".join(line.encode("utf-8") for line in lines) + b"\n"
-        self.stream = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # 1 byte a token until used
+        self.stream = torch.frombuffer(bytearray(packed_stream(lines)), dtype=torch.uint8)  # 1 byte a token until used
         self.seq_len, self.seed, self.offset = seq_len, seed, 0
 
     def __len__(self) -> int:
@@ -611,11 +615,7 @@ def encode_lines_as_bytes(lines: list[str], seq_len: int, pack: bool) -> Example
     Either way, a span longer than seq_len is cut into windows that overlap by one byte, so
     every byte is a target exactly once; padded positions get IGNORE_INDEX.
     """
-    spans = (
-        [b"\n" + b"\n".join(line.encode("utf-8") for line in lines) + b"\n"]
-        if pack
-        else [b"\n" + line.encode("utf-8") + b"\n" for line in lines]
-    )
+    spans = [packed_stream(lines)] if pack else [b"\n" + line.encode("utf-8") + b"\n" for line in lines]
     windows = [span[start : start + seq_len + 1] for span in spans for start in range(0, len(span) - 1, seq_len)]
     inputs = torch.zeros(len(windows), seq_len, dtype=torch.long)
     targets = torch.full((len(windows), seq_len), IGNORE_INDEX, dtype=torch.long)
@@ -1340,6 +1340,11 @@ def loss_scale(cfg: RunConfig, d: Dist, micro_tokens: int, global_tokens: float)
     return 1.0 / (micro_tokens * cfg.grad_accum_steps)
 
 
+def global_batch(cfg: RunConfig, d: Dist) -> int:
+    """Examples per optimizer step over all ranks: per-rank batch x ranks x micro-steps."""
+    return cfg.batch_size * d.world_size * cfg.grad_accum_steps
+
+
 def lr_at(cfg: RunConfig, step: int) -> float:
     """Linear warmup from 0 to --lr over --warmup-steps, then cosine decay to --min-lr.
 
@@ -1502,7 +1507,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None) -> TrainR
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
     progress = apply_resume_state(resume, named_params, optimizer, scaler, d) if resume else Progress()
     k = cfg.grad_accum_steps
-    batch = cfg.batch_size * d.world_size * k  # the global batch, in examples
+    batch = global_batch(cfg, d)
     steps_per_epoch = len(loader) // k
     log(d, f"[run] {d.world_size} rank(s) x {cfg.batch_size} examples x {k} micro-step(s) = global batch {batch}")
     log(d, f"[run] up to {batch * cfg.seq_len:,} token positions per step (padding excluded from the loss)")
@@ -1869,7 +1874,7 @@ def print_summary(
         f"{history[0]['loss']:.4f} at step {history[0]['step']} -> {history[-1]['loss']:.4f}" if history else "-"
     )
     rows = [
-        ("steps", f"{result.progress.step:,} x global batch {cfg.batch_size * d.world_size * cfg.grad_accum_steps}"),
+        ("steps", f"{result.progress.step:,} x global batch {global_batch(cfg, d)}"),
         ("tokens seen", f"{result.progress.tokens_seen:,} (real, non-padding)"),
         ("wall time", f"{wall_seconds:.1f} s (training steps {result.seconds:.1f} s)"),
         ("tokens/s", speed),

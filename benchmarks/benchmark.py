@@ -181,10 +181,7 @@ def tiny_flops_per_token(extra: list[str]) -> float:
 
 def seconds_to_first_step(nproc: int | None, extra: list[str], out: Path) -> float:
     """From launch (a fresh interpreter, imports included) to the first step's log line."""
-    args = ["--cpu", "--max-steps", "2", "--val-fraction", "0", "--output-dir", str(out), *extra]
-    cmd = [sys.executable, str(SCRIPT), *args]
-    if nproc:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *cmd[1:]]
+    cmd = command(["--cpu", "--max-steps", "2", "--val-fraction", "0", "--output-dir", str(out), *extra], nproc)
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=child_env())
     seconds = None
