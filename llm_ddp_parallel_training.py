@@ -38,7 +38,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -693,6 +693,10 @@ def make_train_loader(
         sampler=sampler,
         drop_last=True,  # equal batch counts on every rank, so no rank waits in an all-reduce alone
         pin_memory=d.device.type == "cuda",
+        # Each iter(loader) draws a seed for its workers. From the global RNG, that draw would
+        # shift the dropout stream, and a resumed run (which starts its epoch's iterator where
+        # an uninterrupted one did not) would drop different units: resume would not be exact.
+        generator=torch.Generator().manual_seed(cfg.seed),
     )
     return loader, sampler
 
@@ -1476,20 +1480,39 @@ class StopRequest:
     A signal can land on one rank and not another, and at any point of a step. Ranks must
     stop together, at the same step boundary, so each only records the request here; the
     next step's first all-reduce tells every rank whether any rank was asked.
+
+    One request usually arrives twice. Ctrl-C in a terminal (and Slurm's or systemd's SIGTERM)
+    signals every process of the job, torchrun's agent included, and the agent forwards its own
+    copy to every worker a moment later. So a repeat within REPEAT_S seconds is that copy, never
+    a second request. A signal after that, once the acknowledgement is on screen, is deliberate:
+    the process exits at once, without a checkpoint.
     """
+
+    REPEAT_S = 3.0
 
     def __init__(self) -> None:
         self.signal: int | None = None
+        self.at = 0.0
 
     def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._record)
 
     def _record(self, signum: int, frame: object) -> None:
-        self.signal = signum
-        # A second Ctrl-C (or SIGTERM) acts at once, for when the clean stop is not wanted.
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        # os.write, not print: a handler can interrupt a print, and print is not re-entrant.
+        name = signal.Signals(signum).name
+        now = time.monotonic()
+        if self.signal is None:
+            self.signal, self.at = signum, now
+            if os.environ.get("LOCAL_RANK", "0") == "0":
+                os.write(
+                    2,
+                    f"[stop] {name}: every rank stops after this step and writes a checkpoint "
+                    f"(a second one, {self.REPEAT_S:g} s from now or later, stops at once without one)\n".encode(),
+                )
+        elif now - self.at > self.REPEAT_S:
+            os.write(2, f"[stop] second {name}: stopping at once, without a checkpoint\n".encode())
+            os._exit(128 + signum)
 
 
 STOP = StopRequest()
@@ -1521,8 +1544,10 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None) -> TrainR
     if cfg.inspect:
         print_in_rank_order(d, describe_shards(d, sampler))
 
+    settings = run_settings(cfg, d, kit) if d.is_main else {}  # what a checkpoint must match to resume
+
     def save_state() -> None:
-        state = training_state(cfg, d, kit, named_params, optimizer, scaler, progress)
+        state = training_state(d, settings, named_params, optimizer, scaler, progress)
         save_training_state(cfg, d, state, progress.step)
 
     reporter = Reporter(cfg, d, kit, progress, precision)
@@ -1541,9 +1566,14 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None) -> TrainR
         micro_tokens = [int((targets != IGNORE_INDEX).sum()) for _, targets in cpu_batches]
         micro_batches = [tuple(t.to(d.device, non_blocking=True) for t in batch) for batch in cpu_batches]
         timer.mark("data")
-        # One small all-reduce before any backward carries two facts every rank must share:
-        # the global token count the loss divides by, and whether any rank was asked to stop.
-        global_tokens, stop_votes = all_reduce_sum(d, [sum(micro_tokens), STOP.signal is not None])
+        # One small all-reduce before any backward carries the facts every rank must share: the
+        # global token count the loss divides by, whether any rank was asked to stop, and
+        # whether rank 0's last metrics write failed.
+        global_tokens, stop_votes, failed = all_reduce_sum(
+            d, [sum(micro_tokens), STOP.signal is not None, reporter.failure is not None]
+        )
+        if failed:
+            reporter.share_failure()
         if stop_votes:
             stopped_by = signal.Signals(STOP.signal).name if STOP.signal else "another rank's signal"
             break
@@ -1617,6 +1647,8 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None) -> TrainR
         reporter.step_done(metrics | sent, int(global_tokens), step_seconds, steps_per_epoch, timer)
         if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.max_steps):
             save_state()
+    if all_reduce_sum(d, [reporter.failure is not None])[0]:  # the last step's write, which no vote followed
+        reporter.share_failure()
     if stopped_by:
         save_state()
     reporter.close()
@@ -1756,8 +1788,7 @@ class Reporter:
         self.flops_per_token, self.peak = kit.flops_per_token, peak_flops(d, precision)
         self.window_tokens, self.window_seconds, self.window_steps = 0, 0.0, 0
         self.tokens, self.seconds = 0, 0.0  # this attempt's totals
-        if d.is_main and cfg.metrics_file:
-            keep_metrics_up_to(cfg.metrics_file, progress.step)
+        self.failure: OSError | None = None  # rank 0's failed metrics write, until every rank hears of it
 
     def step_done(
         self, metrics: dict[str, float], tokens: int, seconds: float, steps_per_epoch: int, timer: PhaseTimer
@@ -1792,9 +1823,21 @@ class Reporter:
             say(line)
         elif "val_loss" in record:
             self.bar.write(line)
-        if cfg.metrics_file:
-            with open(cfg.metrics_file, "a") as f:
-                f.write(json.dumps(record) + "\n")
+        if cfg.metrics_file and not self.failure:
+            # No collective here: the failure reaches the other ranks with the next step's vote.
+            try:
+                with open(cfg.metrics_file, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            except OSError as e:
+                self.failure = e
+
+    def share_failure(self) -> None:
+        """Stop every rank with rank 0's metrics-file error (a collective)."""
+
+        def fail() -> None:
+            raise self.failure
+
+        rank0_then_share(self.d, f"could not write the metrics file {self.cfg.metrics_file}", fail)
 
     def close(self) -> None:
         self.bar.close()
@@ -1814,14 +1857,6 @@ def format_metrics(r: dict[str, float], max_steps: int, distributed: bool) -> st
     if "val_loss" in r:
         line += f" | val loss {r['val_loss']:.4f}, ppl {r['val_ppl']:.2f}, {r['val_bpb']:.3f} bits/byte"
     return line
-
-
-def keep_metrics_up_to(path: Path, step: int) -> None:
-    """A resumed run redoes the steps after its checkpoint; drop their first-attempt records."""
-    if not path.exists():
-        return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    atomic_write(path, "".join(line + "\n" for line in kept).encode())
 
 
 def write_loss_plot(cfg: RunConfig, history: list[dict[str, float]]) -> Path | None:
@@ -1933,22 +1968,45 @@ def atomic_directory(path: Path) -> Iterator[Path]:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def rank0_writes(d: Dist, what: str, write: Callable[[], Path | None], error: type[Exception] = TrainingError) -> None:
-    """Rank 0 runs `write`; then all ranks meet at a barrier that also carries the outcome.
+def describe_error(error: BaseException) -> str:
+    """One line for any exception: an OSError in its own words, anything else by type and text."""
+    if isinstance(error, OSError):
+        return str(error)
+    return f"{type(error).__name__}: {first_line(error)}"
 
-    The barrier sits outside the rank-0 branch: every rank must reach it, or the ones that
-    do would wait for ever. Carrying the outcome means a failed write stops every rank.
+
+def rank0_then_share(d: Dist, what: str, work: Callable[[], object], error: type[Exception] = TrainingError) -> object:
+    """Rank 0 alone runs `work`; every rank receives its result, or its failure, in one broadcast.
+
+    The broadcast sits outside the rank-0 branch: every rank must reach it, or the ones that do
+    would wait for ever. Whatever `work` raises travels as text (an OSError from a full disk,
+    safetensors' own error type, a bug), so every rank ends with the same one line, instead of
+    rank 0 showing a traceback while the others wait in a collective until the timeout.
     """
-    problem = ""
+    outcome: dict = {}
     if d.is_main:
         try:
-            path = write()
-            if path:
-                say(f"[save] {what}: {path}")
-        except OSError as e:
-            problem = f"could not write {what}: {e}"
-    if not all_ranks_ok(d, not problem):
-        raise error(problem or f"rank 0 could not write {what}")
+            outcome = {"value": work()}
+        except UsageError as e:
+            outcome = {"usage": str(e)}
+        except Exception as e:
+            outcome = {"error": f"{what}: {describe_error(e)}"}
+    if d.distributed:
+        box = [outcome]
+        dist.broadcast_object_list(box, src=0)
+        outcome = box[0]
+    if "usage" in outcome:
+        raise UsageError(outcome["usage"])
+    if "error" in outcome:
+        raise error(outcome["error"])
+    return outcome["value"]
+
+
+def rank0_writes(d: Dist, what: str, write: Callable[[], Path | None], error: type[Exception] = TrainingError) -> None:
+    """Rank 0 writes while the others wait; a failed write stops every rank with one line."""
+    path = rank0_then_share(d, f"could not write {what}", write, error)
+    if path:
+        log(d, f"[save] {what}: {path}")
 
 
 def prepare_outputs(cfg: RunConfig) -> None:
@@ -1957,8 +2015,62 @@ def prepare_outputs(cfg: RunConfig) -> None:
     with tempfile.TemporaryFile(dir=cfg.output_dir):
         pass
     if cfg.metrics_file:
+        read_metrics_records(cfg.metrics_file)  # refuses a folder or another program's file now
         cfg.metrics_file.parent.mkdir(parents=True, exist_ok=True)
         cfg.metrics_file.touch()
+
+
+def read_metrics_records(path: Path) -> list[tuple[int, bytes]]:
+    """(step, line) for each record of an existing metrics file.
+
+    A last line without its newline is a write that was cut off (a full disk, a kill): it is
+    dropped, not fatal. Anything else that is not a record means the file is not ours.
+    """
+    if not path.exists():
+        return []
+    if not path.is_file():
+        raise UsageError(f"--metrics-file {path} is not a file")
+    *complete, torn = path.read_bytes().split(b"\n")
+    records = []
+    for number, line in enumerate(complete, 1):
+        if not line.strip():
+            continue
+        step = metrics_record_step(line)
+        if step is None:
+            raise UsageError(
+                f"--metrics-file {path} is not a metrics file (line {number} is not a JSON record with a step); "
+                "name a new file"
+            )
+        records.append((step, line))
+    if (step := metrics_record_step(torn)) is not None:
+        records.append((step, torn))
+    return records
+
+
+def metrics_record_step(line: bytes) -> int | None:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) else None
+
+
+def prepare_metrics_file(cfg: RunConfig, start_step: int) -> None:
+    """A resumed run redoes the steps after its checkpoint: drop their first-attempt records.
+
+    A run that starts from step 0 owns no records: a file that holds some is another run's,
+    and is moved aside rather than overwritten. (A torchrun restart of this job that found no
+    checkpoint is the exception: those records are its own first attempt's.)
+    """
+    path = cfg.metrics_file
+    records = read_metrics_records(path)
+    if start_step == 0 and records and elastic_attempt()[1] == 0:
+        aside = path.with_name(f"{path.name}.before-{time.strftime('%Y%m%d-%H%M%S')}")
+        os.replace(path, aside)
+        say(f"[metrics] {path} held {len(records)} record(s) of an earlier run: moved to {aside}")
+        records = []
+    atomic_write(path, b"".join(line + b"\n" for step, line in records if step <= start_step))
 
 
 # Full training state: everything a resumed run needs to continue bit for bit.
@@ -1996,13 +2108,19 @@ def restore_rng(state: dict, d: Dist) -> None:
         torch.cuda.set_rng_state(state["cuda"], d.device)
 
 
-def run_settings(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
-    """The settings that decide which example lands in which step and what the model is.
+# Settings a resumed run may change: --max-steps grows to train a finished run further (the
+# schedule is then recomputed for the new length, and the resume says so).
+MAY_CHANGE_ON_RESUME = ("max_steps",)
 
-    A resume with any of these changed would not continue the same run, so it is refused.
-    (--max-steps may grow: a finished run can be trained further.)
+
+def run_settings(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
+    """The settings that decide which example lands in which step, what the model is, and how
+    each step updates it.
+
+    A resume with any of these changed would not continue the same run, so it is refused: the
+    optimizer's saved state would silently override a new --weight-decay, and a new --lr,
+    --min-lr or --warmup-steps would bend the schedule mid-run.
     """
-    digest = kit.train.digest()
     settings = {
         "model": cfg.model,
         "world_size": d.world_size,
@@ -2011,8 +2129,14 @@ def run_settings(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
         "seq_len": cfg.seq_len,
         "seed": cfg.seed,
         "optimizer": cfg.optimizer,
+        "lr": cfg.lr,
+        "min_lr": cfg.min_lr,
+        "warmup_steps": cfg.warmup_steps,
+        "weight_decay": cfg.weight_decay,
+        "grad_clip": cfg.grad_clip,
         "loss_normalization": cfg.loss_normalization,
-        "training_data_sha256": digest,
+        "training_data_sha256": kit.train.digest(),
+        "max_steps": cfg.max_steps,
     }
     if cfg.model == "tiny":
         settings |= {"d_model": cfg.d_model, "n_heads": cfg.n_heads, "n_layers": cfg.n_layers, "dropout": cfg.dropout}
@@ -2028,19 +2152,25 @@ def run_settings(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
 
 
 def training_state(
-    cfg: RunConfig,
     d: Dist,
-    kit: ModelKit,
+    settings: dict,
     named_params: list[tuple[str, nn.Parameter]],
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler | None,
     progress: Progress,
-) -> dict:
-    """Gather the state on rank 0 (a collective: the RNG states come from every rank)."""
-    rng: list[dict] = [capture_rng(d)]
+) -> dict | None:
+    """The state to save, built on rank 0 alone (None elsewhere).
+
+    A collective: the RNG states are the one part that differs by rank, so every rank sends
+    its own to rank 0. Weights and optimizer state are identical everywhere (that is DDP's
+    contract), so only rank 0 copies them.
+    """
+    rng: list = [capture_rng(d)]
     if d.distributed:
-        rng = [{} for _ in range(d.world_size)]
-        dist.all_gather_object(rng, capture_rng(d))
+        rng = [None] * d.world_size if d.is_main else None
+        dist.gather_object(capture_rng(d), rng, dst=0)
+    if not d.is_main:
+        return None
     return {
         "format": CHECKPOINT_FORMAT,
         "progress": asdict(progress),
@@ -2050,11 +2180,11 @@ def training_state(
         "optimizer": optimizer.state_dict(),
         "scaler": scaler.state_dict() if scaler else None,
         "rng": rng,  # indexed by rank: each rank's dropout stream continues where it was
-        "settings": run_settings(cfg, d, kit),
+        "settings": settings,
     }
 
 
-def save_training_state(cfg: RunConfig, d: Dist, state: dict, step: int) -> None:
+def save_training_state(cfg: RunConfig, d: Dist, state: dict | None, step: int) -> None:
     def write() -> Path:
         folder = checkpoint_root(cfg) / f"step_{step:08d}"
         folder.mkdir(parents=True, exist_ok=True)
@@ -2076,92 +2206,210 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def checkpoint_folders(cfg: RunConfig) -> list[Path]:
-    """Every step_* folder, newest first (complete or not)."""
-    return sorted(checkpoint_root(cfg).glob("step_*"), reverse=True)
+def checkpoint_step(folder: Path) -> int | None:
+    name = folder.name.removeprefix("step_")
+    return int(name) if folder.name.startswith("step_") and name.isdigit() else None
 
 
-def read_checkpoint(folder: Path) -> dict:
-    """Load a checkpoint folder, or raise UsageError saying why it is not a usable one."""
+def checkpoint_folders(root: Path) -> list[Path]:
+    """Every step_* folder, highest step first (complete or not)."""
+    folders = [f for f in root.glob("step_*") if f.is_dir() and checkpoint_step(f) is not None]
+    return sorted(folders, key=checkpoint_step, reverse=True)
+
+
+def verified_state_bytes(folder: Path) -> bytes:
+    """state.pt's bytes once they match the manifest; otherwise UsageError saying what the folder is."""
+    if not folder.is_dir():
+        what = "does not exist" if not folder.exists() else "is a file, not a checkpoint folder"
+        raise UsageError(f"{folder} {what} (--resume takes auto, none, or a checkpoints/step_* folder)")
+    if not (folder / "manifest.json").exists():
+        if (folder / "checkpoints").is_dir() or checkpoint_folders(folder):
+            raise UsageError(f"{folder} holds checkpoints but is not one: name one of its step_* folders")
+        if checkpoint_step(folder) is None:
+            raise UsageError(f"{folder} is not a checkpoint folder (no manifest.json, and not named step_*)")
+        raise UsageError(f"{folder} is incomplete (no manifest.json: its write was interrupted)")
     try:
-        manifest = json.loads((folder / "manifest.json").read_text())
-    except (OSError, ValueError):
-        raise UsageError(f"{folder} is incomplete (no valid manifest.json: its write was interrupted)") from None
+        digest = json.loads((folder / "manifest.json").read_bytes())["sha256"]["state.pt"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UsageError(f"{folder} is damaged: its manifest.json is not a checkpoint manifest") from None
     try:
         data = (folder / "state.pt").read_bytes()
     except OSError as e:
         raise UsageError(f"{folder} cannot be read: {e.strerror}") from None
-    if sha256(data) != manifest.get("sha256", {}).get("state.pt"):
+    if sha256(data) != digest:
         raise UsageError(f"{folder} is damaged: state.pt does not match the SHA-256 in its manifest")
-    # weights_only: a checkpoint is data, and loading it must never run code from the file.
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    return data
+
+
+def read_checkpoint(folder: Path) -> dict:
+    """Load a checkpoint folder, or raise UsageError saying why it is not a usable one."""
+    data = verified_state_bytes(folder)
+    try:
+        # weights_only: a checkpoint is data, and loading it must never run code from the file.
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise UsageError(
+            f"{folder}: state.pt matches its manifest but is not a training state this script wrote "
+            f"({type(e).__name__} while loading it as plain data)"
+        ) from None
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise UsageError(f"{folder}: state.pt is not a training state of this script (format {CHECKPOINT_FORMAT})")
+    return state
+
+
+def is_verified(folder: Path) -> bool:
+    try:
+        verified_state_bytes(folder)
+    except UsageError:
+        return False
+    return True
 
 
 def prune_checkpoints(cfg: RunConfig) -> None:
-    complete = [f for f in checkpoint_folders(cfg) if (f / "manifest.json").exists()]
-    for folder in complete[cfg.keep_last :]:
-        shutil.rmtree(folder, ignore_errors=True)
-    if complete:  # unfinished writes older than the newest complete checkpoint are debris
-        for folder in checkpoint_folders(cfg):
-            if folder < complete[0] and not (folder / "manifest.json").exists():
-                shutil.rmtree(folder, ignore_errors=True)
+    """Keep the newest --keep-last *verified* checkpoints; delete older ones and older debris.
+
+    Checked, not trusted: a folder counts only once its state.pt matches its manifest, so a
+    damaged folder can never push a good one out, and the newest good one always stays.
+    """
+    folders = checkpoint_folders(checkpoint_root(cfg))
+    verified = [f for f in folders if is_verified(f)]
+    if not verified:
+        return
+    newest = checkpoint_step(verified[0])
+    for folder in folders:
+        if folder not in verified[: cfg.keep_last] and checkpoint_step(folder) < newest:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
-def find_resume_state(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict | None:
+def find_resume_state(cfg: RunConfig, d: Dist, settings: dict) -> dict | None:
     """Rank 0 picks and reads the checkpoint to resume from; every rank gets the same state.
 
     Only rank 0 reads, so a checkpoint on rank 0's local disk is enough, and rank 0's choice
     (including skipping a damaged checkpoint) reaches every rank through one broadcast.
     """
-    outcome: dict = {}
-    if d.is_main:
-        try:
-            outcome = {"state": choose_checkpoint(cfg, run_settings(cfg, d, kit))}
-        except UsageError as e:
-            outcome = {"error": str(e)}
-    if d.distributed:
-        box = [outcome]
-        dist.broadcast_object_list(box, src=0)
-        outcome = box[0]
-    if "error" in outcome:
-        raise UsageError(outcome["error"])
-    return outcome["state"]
+    return rank0_then_share(d, "could not read the checkpoint", lambda: choose_checkpoint(cfg, settings), UsageError)
 
 
 def choose_checkpoint(cfg: RunConfig, settings: dict) -> dict | None:
+    root = checkpoint_root(cfg)
     if cfg.resume == "none":
-        if checkpoint_root(cfg).exists():
+        if root.exists():
             # Starting over must not mix this run's checkpoints with an earlier run's.
             aside = cfg.output_dir / f"checkpoints.before-{time.strftime('%Y%m%d-%H%M%S')}"
-            os.replace(checkpoint_root(cfg), aside)
+            os.replace(root, aside)
             say(f"[resume] --resume none: moved the earlier run's checkpoints to {aside}")
         return None
-    if cfg.resume != "auto":
+    if cfg.resume == "auto":
+        folder, state = newest_usable_checkpoint(root)
+        if state is None:
+            return None
+    else:
         folder = Path(cfg.resume)
-        state = read_checkpoint(folder.parent if folder.is_file() else folder)
-        check_same_run(state, settings, folder)
-        say(f"[resume] continuing from {folder} (step {state['progress']['step']})")
-        return state
-    for folder in checkpoint_folders(cfg):
+        if folder.name in ("state.pt", "manifest.json"):
+            folder = folder.parent
+        state = read_checkpoint(folder)
+    check_same_run(state, settings, folder)
+    step = state["progress"]["step"]
+    newest = " the newest complete checkpoint" if cfg.resume == "auto" else ""
+    say(f"[resume] continuing from {folder} (step {step},{newest})".replace(",)", ")"))
+    retire_newer_checkpoints(cfg, step)
+    if state["settings"].get("max_steps", cfg.max_steps) != cfg.max_steps:
+        say(describe_schedule_change(cfg, state["settings"]["max_steps"], step))
+    return state
+
+
+def newest_usable_checkpoint(root: Path) -> tuple[Path | None, dict | None]:
+    """The newest checkpoint that passes its check. Having none is fine when there were only
+    interrupted writes (nothing was lost), and an error when complete ones were damaged."""
+    folders, damaged = checkpoint_folders(root), []
+    for folder in folders:
         try:
-            state = read_checkpoint(folder)
+            return folder, read_checkpoint(folder)
         except UsageError as e:
             say(f"[resume] skipping {e}")
-            continue
-        check_same_run(state, settings, folder)
-        say(f"[resume] continuing from {folder} (step {state['progress']['step']}, the newest complete checkpoint)")
-        return state
-    return None
+            if (folder / "manifest.json").exists():
+                damaged.append(folder.name)
+    if damaged:
+        raise UsageError(
+            f"no usable checkpoint in {root}: {', '.join(damaged)} failed their check and no older one passed; "
+            "repair or remove them, or pass --resume none to start over (it moves them aside)"
+        )
+    if folders:
+        say(f"[resume] no complete checkpoint in {root}, only interrupted writes: starting from step 0")
+    return None, None
+
+
+def retire_newer_checkpoints(cfg: RunConfig, step: int) -> None:
+    """Continuing from `step` abandons every checkpoint after it: set those aside, so that a
+    later --resume auto can never pick up the abandoned line (and pruning never weighs it)."""
+    newer = [f for f in checkpoint_folders(checkpoint_root(cfg)) if checkpoint_step(f) > step]
+    debris = [f for f in newer if not (f / "manifest.json").exists()]  # interrupted writes: nothing to keep
+    for folder in debris:
+        shutil.rmtree(folder, ignore_errors=True)
+    kept = [f for f in newer if f not in debris]
+    if kept:
+        aside = cfg.output_dir / f"checkpoints.abandoned-{time.strftime('%Y%m%d-%H%M%S')}"
+        aside.mkdir(parents=True, exist_ok=True)
+        for folder in kept:
+            os.replace(folder, aside / folder.name)
+        say(f"[resume] {len(kept)} checkpoint(s) after step {step} belong to the abandoned run: moved to {aside}")
+
+
+def describe_schedule_change(cfg: RunConfig, saved_max_steps: int, step: int) -> str:
+    before = lr_at(replace(cfg, max_steps=saved_max_steps), step)
+    return (
+        f"[resume] --max-steps {cfg.max_steps} (the checkpoint's run had {saved_max_steps}): the schedule now spans "
+        f"{cfg.max_steps} steps, so the lr goes from {before:.3g} at step {step} to {lr_at(cfg, step + 1):.3g} "
+        f"at step {step + 1}"
+    )
 
 
 def check_same_run(state: dict, settings: dict, folder: Path) -> None:
     saved = state.get("settings", {})
-    changed = [f"{k}: {saved.get(k)!r} then, {v!r} now" for k, v in settings.items() if saved.get(k) != v]
+    changed = [
+        f"{k}: {saved.get(k)!r} then, {v!r} now"
+        for k, v in settings.items()
+        if saved.get(k) != v and k not in MAY_CHANGE_ON_RESUME
+    ]
     if changed:
         raise UsageError(
             f"cannot resume from {folder}: it belongs to a run with other settings ({'; '.join(changed)}). "
             "Use the original settings, or --resume none, or another --output-dir"
         )
+
+
+# A stop that was asked for stays a stop. The stopped ranks exit with EXIT_STOPPED, which
+# torchrun --max-restarts counts as a failure: it would restart the job, the restart would
+# resume, and the run would train to the end after all. So rank 0 leaves this marker, and an
+# attempt that torchrun restarts after it ends at once. A new launch removes it and resumes.
+STOP_MARKER = "stop_request.json"
+
+
+def elastic_attempt() -> tuple[str | None, int]:
+    """torchrun's run id (None without torchrun) and how many times it has restarted the job."""
+    return os.environ.get("TORCHELASTIC_RUN_ID"), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def write_stop_marker(cfg: RunConfig, step: int, signal_name: str) -> None:
+    run_id, attempt = elastic_attempt()
+    if run_id is not None:
+        marker = {"run_id": run_id, "restart_count": attempt, "step": step, "signal": signal_name}
+        atomic_write(cfg.output_dir / STOP_MARKER, json.dumps(marker).encode())
+
+
+def stopped_in_an_earlier_attempt(cfg: RunConfig) -> bool:
+    path = cfg.output_dir / STOP_MARKER
+    if not path.exists():
+        return False
+    try:
+        marker = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        marker = None
+    run_id, attempt = elastic_attempt()
+    if isinstance(marker, dict) and marker.get("run_id") == run_id and attempt > marker.get("restart_count", attempt):
+        return True
+    path.unlink(missing_ok=True)  # another launch: the stop is over, and resuming is what is asked now
+    return False
 
 
 def apply_resume_state(
@@ -2189,10 +2437,14 @@ def apply_resume_state(
 def run(cfg: RunConfig, d: Dist, started: float) -> None:
     log(d, f"[launch] {d.world_size} process(es); this is rank {d.rank} (local rank {d.local_rank})")
     log(d, f"[connect] backend {d.backend or 'none'} on {d.device}: {d.why}")
+    if rank0_then_share(d, "could not read the stop marker", lambda: stopped_in_an_earlier_attempt(cfg)):
+        log(d, "[stop] torchrun restarted the job after a requested stop: it stays stopped; run it again to resume")
+        raise SystemExit(EXIT_STOPPED)
     if d.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = cfg.tf32  # fp32 matmuls on tensor cores: ~10 bits of mantissa
     lines, val_lines = split_lines(read_corpus_lines(cfg.corpus_file), cfg.val_fraction, cfg.seed)
     kit = (build_qwen_kit if cfg.model == "qwen" else build_tiny_kit)(cfg, d, lines, val_lines)
+    seed_dropout_per_rank(cfg, d)
     log(
         d,
         f"[data] {cfg.corpus_file}: {len(lines)} training lines -> {len(kit.train)} examples of {cfg.seq_len} tokens; "
@@ -2201,25 +2453,41 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
     log(d, f"[model] {kit.describe}")
 
     rank0_writes(d, "the outputs", lambda: prepare_outputs(cfg), error=UsageError)
-    resume = find_resume_state(cfg, d, kit)
+    resume = find_resume_state(cfg, d, run_settings(cfg, d, kit) if d.is_main else {})
+    if cfg.metrics_file:
+        start = resume["progress"]["step"] if resume else 0
+        rank0_writes(d, "the metrics file", lambda: prepare_metrics_file(cfg, start), error=UsageError)
     result = train(cfg, d, kit, resume)
     step = result.progress.step
     if result.stopped_by:
+        rank0_writes(d, "the stop marker", lambda: write_stop_marker(cfg, step, result.stopped_by))
         log(d, f"[stop] {result.stopped_by}: every rank stopped after step {step}; the same command resumes there")
         raise SystemExit(EXIT_STOPPED)
     outputs = [cfg.output_dir / kit.final_name]
     rank0_writes(d, kit.final_label, lambda: kit.save_final(kit.model, step))
+    if cfg.plot:
+        history = result.progress.history
+        plot = rank0_then_share(d, "could not write the loss plot", lambda: write_loss_plot(cfg, history))
+        outputs += [plot] if plot else []
     memory = peak_memory_per_rank(d)
     if d.is_main:
         kit.model.eval()
         # The unwrapped model: a forward through the DDP wrapper may talk to the other ranks,
         # which have moved on. Sampling is local to rank 0.
         say(f"[sample] {kit.sample(kit.model, cfg.prompt)}")
-        if cfg.plot and (plot := write_loss_plot(cfg, result.progress.history)):
-            outputs.append(plot)
         if cfg.metrics_file:
             outputs.append(cfg.metrics_file)
         print_summary(cfg, d, result, time.perf_counter() - started, outputs, memory)
+
+
+def seed_dropout_per_rank(cfg: RunConfig, d: Dist) -> None:
+    """Give every rank its own dropout stream, once the model is built.
+
+    Initialisation used --seed alone, so the replicas start identical. Dropout must not: with
+    one seed on every rank, W ranks would drop the same units of their different examples,
+    which is not what one process would do with a W-times larger batch.
+    """
+    torch.manual_seed(cfg.seed + d.rank)
 
 
 EXIT_STOPPED = 3  # stopped cleanly by a signal, checkpoint written, not finished

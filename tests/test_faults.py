@@ -1,24 +1,40 @@
 """Faults: a killed worker, a stop request, a crash mid-save, a raising rank, a NaN, a bad file.
 
 Every recovery is judged against one uninterrupted run: the final weights must be bitwise
-identical (CPU, dropout 0, Gloo), which is only true if the resumed run continued on exactly
-the examples it had not seen, with the same optimizer state.
+identical (CPU, Gloo, dropout 0.1), which is only true if the resumed run continued on exactly
+the examples it had not seen, with the same optimizer state and the same dropout masks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import SCRIPT, TINY, assert_ok, child_env, launch, run_cmd, torchrun_cmd
 
-RUN = [*TINY, "--optimizer", "sgd", "--lr", "0.5", "--max-steps", "120", "--save-every", "40", "--log-every", "10"]
+RUN = [
+    *TINY,
+    "--dropout",
+    "0.1",
+    "--optimizer",
+    "sgd",
+    "--lr",
+    "0.5",
+    "--max-steps",
+    "120",
+    "--save-every",
+    "40",
+    "--log-every",
+    "10",
+]
 
 
 def weights(out) -> dict[str, torch.Tensor]:
@@ -144,3 +160,43 @@ def test_a_non_finite_loss_on_one_rank_stops_every_rank_before_the_update(tmp_pa
     assert "non-finite loss or gradient norm at step 2" in errors[0]
     assert "non-finite local loss on rank(s) [1]" in errors[0]
     assert SCRIPT.name + '", line' not in run.output
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (torchrun's workers), from /proc."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                children.append(int(stat.parent.name))
+    return children
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_one_signal_to_the_whole_job_still_stops_cleanly_with_a_checkpoint(tmp_path, sig):
+    # Ctrl-C in a terminal, or Slurm's scancel, signals torchrun and every worker at once; the
+    # agent then forwards its copy to each worker, so each worker gets the signal twice, its own
+    # copy first. Here the forwarded copy comes 0.1 s after the direct one (the agent is quick
+    # when idle, slower on a loaded machine), while the workers are still in the step (the default
+    # d 512 model: about 0.25 s a step). It must not count as a second, "stop at once" request.
+    args = [*RUN, "--d-model", "512", "--batch-size", "16", "--output-dir", str(tmp_path), "--log-every", "1"]
+    proc = subprocess.Popen(torchrun_cmd(2, args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=child_env(), start_new_session=True)  # fmt: skip
+    try:
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("step     2/"):
+                break
+        for pid in child_pids(proc.pid):
+            os.kill(pid, sig)
+        time.sleep(0.1)
+        os.kill(proc.pid, sig)
+        output = "".join(seen) + proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert f"[stop] {sig.name}: every rank stopped after step" in output, output
+    assert "stopping at once" not in output and "KeyboardInterrupt" not in output, output
+    stopped_at = int(output.split("stopped after step ")[1].split(";")[0])
+    assert (tmp_path / "checkpoints" / f"step_{stopped_at:08d}" / "manifest.json").exists()
