@@ -1246,13 +1246,15 @@ def verify_replicas_agree(d: Dist, step: int, when: str, named: list[tuple[str, 
 
     The fingerprint (fp64 sum and sum of squares) is two numbers per tensor, so the check costs
     one small all-gather. All ranks see every fingerprint, so all stop together on a mismatch.
+    Fingerprints are compared as bit patterns: with fp16 an overflowing step is routine (the
+    scaler skips it), and its NaN sums are identical on every rank but never equal as numbers.
     """
     fingerprint = torch.stack([torch.stack([t.double().sum(), t.double().square().sum()]) for _, t in named]).cpu()
-    ranks = all_gather_tensor(d, fingerprint)
+    ranks = [fp.view(torch.int64) for fp in all_gather_tensor(d, fingerprint)]
     for i, (name, _) in enumerate(named):
         differ = [r for r, fp in enumerate(ranks) if not torch.equal(fp[i], ranks[0][i])]
         if differ:
-            values = ", ".join(f"rank {r} sum {ranks[r][i][0].item():.9g}" for r in [0, *differ])
+            values = ", ".join(f"rank {r} sum {ranks[r][i].view(torch.float64)[0].item():.9g}" for r in [0, *differ])
             raise TrainingError(
                 f"replicas diverged at step {step} ({when}): first differing tensor {name}; "
                 f"rank(s) {differ} differ from rank 0 ({values})"

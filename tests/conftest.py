@@ -64,10 +64,10 @@ def run_cmd(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -
     return Run(proc.returncode, out, err, time.perf_counter() - start)
 
 
-def torchrun_cmd(nproc: int, args: list[str], launcher: list[str] | None = None) -> list[str]:
+def torchrun_cmd(nproc: int, args: list[str], launcher: list[str] | None = None, script: Path = SCRIPT) -> list[str]:
     # --standalone runs a private rendezvous on a free port, so tests never collide on ports.
     launcher = launcher if launcher is not None else ["--standalone"]
-    return [sys.executable, "-m", "torch.distributed.run", *launcher, f"--nproc-per-node={nproc}", str(SCRIPT), *args]
+    return [sys.executable, "-m", "torch.distributed.run", *launcher, f"--nproc-per-node={nproc}", str(script), *args]
 
 
 def launch(args: list[str], nproc: int | None = None, timeout: float = 120, env: dict[str, str] | None = None) -> Run:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -200,3 +201,134 @@ def test_one_signal_to_the_whole_job_still_stops_cleanly_with_a_checkpoint(tmp_p
     assert "stopping at once" not in output and "KeyboardInterrupt" not in output, output
     stopped_at = int(output.split("stopped after step ")[1].split(";")[0])
     assert (tmp_path / "checkpoints" / f"step_{stopped_at:08d}" / "manifest.json").exists()
+
+
+def damage(folder) -> None:
+    state = folder / "state.pt"
+    state.write_bytes(state.read_bytes()[:1000])  # truncated, as by a full disk; the manifest stays
+
+
+def checkpoint_names(out) -> list[str]:
+    return sorted(p.name for p in (out / "checkpoints").iterdir())
+
+
+def test_a_damaged_newer_checkpoint_never_makes_pruning_delete_the_good_ones(uninterrupted, tmp_path):
+    # A damaged folder from a longer earlier run sorts above everything this run writes. Were it
+    # counted as complete, --keep-last 1 would delete each new checkpoint as soon as it was
+    # written, leaving only the damaged one.
+    out = tmp_path / "copy"
+    shutil.copytree(uninterrupted, out)
+    shutil.copytree(out / "checkpoints" / "step_00000120", out / "checkpoints" / "step_00000999")
+    damage(out / "checkpoints" / "step_00000999")
+    (out / "tiny_transformer.pt").unlink()
+    run = launch([*RUN, "--output-dir", str(out), "--max-steps", "200", "--keep-last", "1"], nproc=2)
+    assert_ok(run)
+    assert "step_00000999 is damaged" in run.stdout and "step_00000120 (step 120" in run.stdout
+    assert checkpoint_names(out) == ["step_00000200"]
+    assert [p.name for p in out.glob("checkpoints.abandoned-*/*")] == ["step_00000999"]
+
+
+def test_pruning_keeps_the_newest_verified_checkpoint(uninterrupted, tmp_path):
+    import llm_ddp_parallel_training as t
+
+    out = tmp_path / "copy"
+    shutil.copytree(uninterrupted, out)
+    shutil.copytree(out / "checkpoints" / "step_00000120", out / "checkpoints" / "step_00000160")
+    damage(out / "checkpoints" / "step_00000160")
+    t.prune_checkpoints(t.parse_args([*RUN, "--output-dir", str(out), "--keep-last", "1"]))
+    assert checkpoint_names(out) == ["step_00000120", "step_00000160"]  # the damaged one decides nothing
+
+
+def test_a_rollback_sets_aside_the_checkpoints_it_abandons(uninterrupted, tmp_path):
+    out = tmp_path / "copy"
+    shutil.copytree(uninterrupted, out)
+    back = launch([*RUN, "--output-dir", str(out), "--resume", str(out / "checkpoints" / "step_00000080"),
+                   "--max-steps", "100", "--save-every", "10"], nproc=2)  # fmt: skip
+    assert_ok(back)
+    assert "1 checkpoint(s) after step 80 belong to the abandoned run" in back.stdout
+    assert "--max-steps 100 (the checkpoint's run had 120): the schedule now spans 100 steps" in back.stdout
+    assert checkpoint_names(out) == ["step_00000090", "step_00000100"]
+    again = launch([*RUN, "--output-dir", str(out), "--max-steps", "110", "--save-every", "10"], nproc=2)
+    assert_ok(again)
+    assert "continuing from" in again.stdout and "step_00000100 (step 100" in again.stdout
+
+
+def test_when_every_checkpoint_is_damaged_resume_auto_refuses_and_names_resume_none(uninterrupted, tmp_path):
+    out = tmp_path / "copy"
+    shutil.copytree(uninterrupted, out)
+    for folder in (out / "checkpoints").iterdir():
+        damage(folder)
+    run = launch([*RUN, "--output-dir", str(out)], nproc=2)
+    assert run.returncode != 0 and "exitcode  : 2" in run.stderr
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "no usable checkpoint" in errors[0] and "--resume none" in errors[0], run.stderr
+    assert "step " not in run.stdout
+
+
+def test_resuming_with_another_learning_rate_is_refused(uninterrupted, tmp_path):
+    out = tmp_path / "copy"
+    shutil.copytree(uninterrupted, out)
+    run = launch([*RUN, "--output-dir", str(out), "--lr", "0.25", "--weight-decay", "0.1"], nproc=2)
+    assert run.returncode != 0 and "exitcode  : 2" in run.stderr
+    assert "lr: 0.5 then, 0.25 now" in run.stderr and "weight_decay: 0.01 then, 0.1 now" in run.stderr
+
+
+def test_a_requested_stop_stays_stopped_under_max_restarts(tmp_path):
+    # SIGTERM to one worker: every rank stops with a checkpoint and exit code 3, which torchrun
+    # counts as a failure and restarts. The restarted attempt must not resume and finish.
+    args = [*RUN, "--output-dir", str(tmp_path), "--log-every", "1", "--max-steps", "400"]
+    cmd = torchrun_cmd(2, args, ["--standalone", "--max-restarts=1"])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
+                            start_new_session=True)  # fmt: skip
+    try:
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("step    20/"):
+                break
+        os.kill(child_pids(proc.pid)[0], signal.SIGTERM)
+        output = "".join(seen) + proc.communicate(timeout=90)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "every rank stopped after step" in output, output
+    assert "torchrun restarted the job after a requested stop: it stays stopped" in output, output
+    assert "continuing from" not in output and not (tmp_path / "tiny_transformer.pt").exists()
+    assert proc.returncode != 0
+
+
+def test_a_full_disk_under_the_metrics_file_ends_every_rank_with_one_line(tmp_path):
+    # RLIMIT_FSIZE makes a write past 8 KiB fail with EFBIG, as a full disk fails with ENOSPC.
+    def limit_file_size() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192))
+
+    args = [*TINY, "--max-steps", "300", "--log-every", "1", "--metrics-file", str(tmp_path / "m.jsonl"),
+            "--output-dir", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(torchrun_cmd(2, args), capture_output=True, text=True, env=child_env(),
+                          preexec_fn=limit_file_size, timeout=120)  # fmt: skip
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0
+    assert len(errors) == 1 and "could not write the metrics file" in errors[0] and "File too large" in errors[0]
+    assert SCRIPT.name + '", line' not in proc.stdout + proc.stderr
+    assert not (tmp_path / "tiny_transformer.pt").exists()
+
+
+def test_resume_tolerates_a_torn_last_metrics_line(tmp_path):
+    import llm_ddp_parallel_training as t
+
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_bytes(b"".join(json.dumps({"step": s, "loss": 1.0}).encode() + b"\n" for s in (1, 2, 3)) + b'{"st')
+    t.prepare_metrics_file(t.parse_args([*TINY, "--metrics-file", str(metrics)]), start_step=2)
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2]
+
+
+def test_a_fresh_run_moves_another_runs_metrics_file_aside(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    earlier = json.dumps({"step": 7, "loss": 1.0}) + "\n"
+    metrics.write_text(earlier)
+    run = launch([*TINY, "--max-steps", "2", "--log-every", "1", "--metrics-file", str(metrics),
+                  "--output-dir", str(tmp_path / "out")])  # fmt: skip
+    assert_ok(run)
+    assert "held 1 record(s) of an earlier run: moved to" in run.stdout
+    assert [p.read_text() for p in tmp_path.glob("m.jsonl.before-*")] == [earlier]
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2]

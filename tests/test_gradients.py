@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY, Run, assert_ok, launch
+from conftest import TINY, Run, assert_ok, launch, run_cmd, torchrun_cmd
+
+import llm_ddp_parallel_training as t
 
 TOLERANCE = 1e-5
 # --no-pack: one padded line per example, so ranks and micro-steps hold different token counts.
@@ -199,3 +201,37 @@ def test_inspect_shows_the_averaged_gradient_identical_on_every_rank_and_before_
         logged = next(line for line in run.stdout.splitlines() if line.startswith(f"step {step:>5}/"))
         assert len(averaged) == 1, averaged
         assert float(averaged.pop()) == pytest.approx(float(logged.split("grad norm ")[1].split()[0]), abs=2e-3)
+
+
+def test_verify_sync_compares_bit_patterns_so_an_fp16_overflow_step_is_no_divergence():
+    # fp16 with a GradScaler: an overflowing step is routine. Every rank holds the same inf and
+    # NaN gradients and the scaler skips the step; their NaN fingerprints never compare equal as
+    # numbers, only as bits. (Function level: the fp16 path needs CUDA to run whole.)
+    d = t.Dist(0, 0, 1, 1, torch.device("cpu"), None, "one process")
+    overflowed = [("grad of w", torch.tensor([float("inf"), -float("inf"), 1.0], dtype=torch.float16))]
+    t.verify_replicas_agree(d, 7, "after the gradient all-reduce", overflowed)
+
+
+DROPOUT_PROBE = """
+import sys, torch
+import llm_ddp_parallel_training as t
+
+def probe(cfg, d, kit, resume):  # stands in for train(): everything before it ran as in a real run
+    weights = torch.cat([p.detach().flatten() for p in kit.model.parameters()])
+    dropped = torch.nn.functional.dropout(torch.ones(4096), p=cfg.dropout, training=True)
+    first, second = t.all_gather_tensor(d, torch.stack([weights[:4096], dropped]))
+    if d.is_main:
+        print("WEIGHTS_EQUAL", torch.equal(first[0], second[0]), "MASKS_EQUAL", torch.equal(first[1], second[1]))
+    raise SystemExit(0)
+
+t.train = probe
+t.main(sys.argv[1:])
+"""
+
+
+def test_ranks_start_with_equal_weights_but_draw_their_own_dropout_masks(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(DROPOUT_PROBE)
+    run = run_cmd(torchrun_cmd(2, [*TINY, "--dropout", "0.5", "--output-dir", str(tmp_path)], script=probe), 120)
+    assert_ok(run)
+    assert "WEIGHTS_EQUAL True MASKS_EQUAL False" in run.stdout, run.output

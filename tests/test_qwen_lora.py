@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import resource
+import subprocess
 
 import pytest
 import torch
-from conftest import assert_ok, launch
+from conftest import assert_ok, child_env, launch, run_cmd, torchrun_cmd
 
 import llm_ddp_parallel_training as t
 
@@ -112,3 +114,30 @@ def test_lora_targets_the_model_lacks_are_named_with_the_layers_it_has(tiny_qwen
     assert run.returncode == 2
     assert "--lora-targets query_key_value not found" in run.stderr
     assert "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj" in run.stderr
+
+
+def test_lora_resume_after_a_killed_worker_is_bit_exact_with_dropout_on(tiny_qwen, tmp_path):
+    # LoRA dropout 0.05 (the default) is on: the resumed run must draw the very masks the
+    # uninterrupted one drew, on every rank.
+    flags = ["--max-steps", "6", "--save-every", "2", "--log-every", "1"]
+    assert_ok(launch(qwen_args(tiny_qwen, tmp_path / "whole", *flags), nproc=2))
+    faulted = qwen_args(tiny_qwen, tmp_path / "faulted", *flags, "--inject-fault", "1:4")
+    run = run_cmd(torchrun_cmd(2, faulted, ["--standalone", "--max-restarts=1"]), timeout=240)
+    assert_ok(run)
+    assert "continuing from" in run.stdout and "step_00000002 (step 2" in run.stdout
+    whole, resumed = saved_adapter(tmp_path / "whole")[1], saved_adapter(tmp_path / "faulted")[1]
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
+def test_a_failed_adapter_write_on_rank_0_ends_every_rank_with_one_line(tiny_qwen, tmp_path):
+    # RLIMIT_FSIZE: no file may grow past 8 KiB. The model card fits, the adapter weights do
+    # not, so safetensors fails with its own error type (SafetensorError, not an OSError).
+    def limit_file_size() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192))
+
+    cmd = torchrun_cmd(2, qwen_args(tiny_qwen, tmp_path, "--max-steps", "2"))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), preexec_fn=limit_file_size, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0
+    assert len(errors) == 1 and "could not write LoRA adapters and tokenizer" in errors[0], proc.stderr
+    assert 'llm_ddp_parallel_training.py", line' not in proc.stdout + proc.stderr
