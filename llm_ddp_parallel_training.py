@@ -147,10 +147,10 @@ class FaultPlan:
     rank: int
     step: int
     kind: str  # kill: SIGKILL itself; raise: an exception; nan: a NaN loss; desync: a wrong gradient;
-    # save: SIGKILL itself halfway through writing the step's checkpoint
+    # save: SIGKILL itself halfway through writing the step's checkpoint; hang: stop answering
 
 
-FAULT_KINDS = ("kill", "raise", "nan", "desync", "save")
+FAULT_KINDS = ("kill", "raise", "nan", "desync", "save", "hang")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -178,6 +178,19 @@ def _non_negative_float(text: str) -> float:
     if not value >= 0 or not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be zero or a positive number, got {text}")
     return value
+
+
+def _bounded(kind: Callable[[str], float], low: float, high: float, unit: str = "") -> Callable[[str], float]:
+    """A number in [low, high]: values that pass a sign check can still break far later (a
+    timedelta overflow, a bucket too large to allocate, a seed torch cannot take)."""
+
+    def parse(text: str) -> float:
+        value = kind(text)
+        if not low <= value <= high:  # also refuses NaN
+            raise argparse.ArgumentTypeError(f"must be from {low:g} to {high:g}{unit}, got {text}")
+        return value
+
+    return parse
 
 
 def _probability(text: str) -> float:
@@ -229,7 +242,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
         help="UTF-8 text, one training sample per line; blank lines are skipped",
     )
     g.add_argument("--output-dir", type=Path, default=Path("outputs"), help="where rank 0 writes")
-    g.add_argument("--seed", type=int, default=1337, help="same on every rank: init, shuffle")
+    g.add_argument(
+        "--seed", type=_bounded(int, 0, 2**63 - 1), default=1337, help="init, shuffle and split; dropout adds the rank"
+    )
 
     g.add_argument("--seq-len", type=_positive_int, default=128, help="tokens per example (bytes for tiny)")
     g.add_argument(
@@ -302,7 +317,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--ddp", choices=["torch", "manual"], default="torch", help="torch's DDP, or the from-scratch one")
     g.add_argument(
         "--bucket-mb",
-        type=_positive_float,
+        type=_bounded(float, 1e-3, 65536, " MiB"),
         default=25.0,
         help="gradient bucket size for the all-reduce, in MiB (torch's bucket_cap_mb)",
     )
@@ -335,7 +350,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
         type=_fault_plan,
         default=None,
         metavar="RANK:STEP[:KIND]",
-        help="teaching/testing aid: make RANK fail at STEP once; KIND kill (default), raise, nan, desync or save",
+        help="teaching/testing aid: make RANK fail at STEP once; KIND kill (default), raise, nan, desync, save or hang",
     )
 
     g = p.add_argument_group("checkpoints and resume")
@@ -360,7 +375,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--cpu", action="store_true", help="train on CPU even if CUDA is available")
     g.add_argument(
-        "--timeout-s", type=_positive_float, default=300.0, help="how long a collective may wait for the other ranks"
+        "--timeout-s",
+        type=_bounded(float, 1, 7 * 86400, " seconds"),
+        default=300.0,
+        help="how long a collective may wait for the other ranks",
     )
 
     g = p.add_argument_group("reporting")
@@ -381,6 +399,12 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     cfg = RunConfig(**vars(args))
     if cfg.d_model % cfg.n_heads:
         raise UsageError(f"--d-model {cfg.d_model} is not divisible by --n-heads {cfg.n_heads}")
+    try:  # found now, not after hours of training when the sample is printed
+        cfg.prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UsageError(
+            f"--prompt cannot be encoded as UTF-8 (character {e.start} is {e.object[e.start]!a})"
+        ) from None
     return cfg
 
 
@@ -413,7 +437,30 @@ class Dist:
 
 
 def launched_by_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    return "RANK" in os.environ or "WORLD_SIZE" in os.environ
+
+
+def rank_facts_from_env() -> tuple[int, int, int, int]:
+    """(rank, world size, local rank, local world size) as torchrun exported them, checked.
+
+    A leftover `export RANK=...` or a hand-made launch can set them inconsistently; that gets
+    one line now, not a ValueError from init_process_group or a wait for ranks that never come.
+    """
+    env = os.environ
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    shown = ", ".join(f"{n}={env[n]}" for n in names if n in env)
+    fix = "launch with torchrun (it sets them all), or unset them to run one process"
+    try:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local_rank = int(env.get("LOCAL_RANK", "0"))
+        local_world = int(env.get("LOCAL_WORLD_SIZE", str(world)))
+    except (KeyError, ValueError):
+        raise UsageError(f"rank variables incomplete or not integers ({shown}): {fix}") from None
+    if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
+        raise UsageError(f"rank variables are inconsistent ({shown}): {fix}")
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
+        raise UsageError(f"{shown} are set but MASTER_ADDR or MASTER_PORT is not: {fix}")
+    return rank, world, local_rank, local_world
 
 
 def choose_backend_and_device(cfg: RunConfig, local_rank: int, local_world: int) -> tuple[str, torch.device, str]:
@@ -448,24 +495,30 @@ def setup_distributed(cfg: RunConfig) -> Dist:
         use_cuda = torch.cuda.is_available() and not cfg.cpu
         device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
         return Dist(0, 0, 1, 1, device, None, "not launched by torchrun: one process, no process group")
-    env = os.environ
-    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    local_rank = int(env.get("LOCAL_RANK", "0"))
-    local_world = int(env.get("LOCAL_WORLD_SIZE", str(world)))
+    rank, world, local_rank, local_world = rank_facts_from_env()
     backend, device, why = choose_backend_and_device(cfg, local_rank, local_world)
+    if "TORCHELASTIC_RUN_ID" not in os.environ and local_rank == 0:  # a hand-made launch: say what it waits for
+        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        print(f"[connect] not started by torchrun: waiting up to {cfg.timeout_s:g} s for {world} ranks at {where}")
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before any CUDA work, so rank r never touches GPU 0
     # The timeout bounds every collective, so a rank that stops answering fails the job
     # instead of hanging it.
     timeout = timedelta(seconds=cfg.timeout_s)
-    dist.init_process_group(
-        backend=backend,
-        store=rendezvous_store(timeout),
-        rank=rank,
-        world_size=world,
-        timeout=timeout,
-        device_id=device if device.type == "cuda" else None,
-    )
+    try:
+        dist.init_process_group(
+            backend=backend,
+            store=rendezvous_store(timeout),
+            rank=rank,
+            world_size=world,
+            timeout=timeout,
+            device_id=device if device.type == "cuda" else None,
+        )
+    except (RuntimeError, ValueError) as e:  # DistStoreError and friends are RuntimeErrors
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise TrainingError(
+            f"rank {rank} of {world} could not join the process group at {where}: {first_line(e)}"
+        ) from None
     return Dist(rank, local_rank, world, local_world, device, backend, why)
 
 
@@ -530,7 +583,9 @@ def read_corpus_lines(path: Path) -> list[str]:
     if not path.is_file():
         raise UsageError(f"corpus path is not a file: {path}")
     try:
-        text = path.read_bytes().decode("utf-8")
+        # utf-8-sig drops a byte-order mark (Windows editors add one): trained on, it would be
+        # three bytes of noise at the start of the first line.
+        text = path.read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise UsageError(f"corpus file is not valid UTF-8: {path} (bad byte at offset {e.start})") from None
     except OSError as e:
@@ -837,10 +892,38 @@ class ModelKit:
     describe: str
 
 
+def tiny_parameter_count(c: TinyConfig) -> int:
+    """Embeddings and head, plus per block: qkv 3d², proj d², MLP 8d², two norms."""
+    return (2 * c.vocab_size + c.seq_len) * c.d_model + c.n_layers * (12 * c.d_model**2 + 2 * c.d_model) + c.d_model
+
+
+def check_model_fits(n_params: int, d: Dist) -> None:
+    """Refuse, before allocating, a model whose training state cannot fit in this device's memory.
+
+    Weights, gradients and AdamW's two moments take 16 bytes a parameter (fp32). Without this
+    check a huge --d-model ends in an allocation traceback, and a huge --n-layers builds
+    layers until the operating system kills the process.
+    """
+    if d.device.type == "cuda":
+        have = torch.cuda.get_device_properties(d.device).total_memory
+    else:
+        try:
+            have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (AttributeError, ValueError, OSError):  # no sysconf (Windows): leave it to the allocator
+            return
+    if 16 * n_params > have:
+        raise UsageError(
+            f"the tiny model would have {n_params:,} parameters, and training them needs about "
+            f"{16 * n_params / 2**30:,.1f} GiB (weights, gradients, AdamW state) of the {have / 2**30:,.1f} GiB "
+            f"on {d.device}: lower --d-model or --n-layers"
+        )
+
+
 def build_tiny_kit(cfg: RunConfig, d: Dist, lines: list[str], val_lines: list[str]) -> ModelKit:
     config = TinyConfig(
         seq_len=cfg.seq_len, d_model=cfg.d_model, n_heads=cfg.n_heads, n_layers=cfg.n_layers, dropout=cfg.dropout
     )
+    check_model_fits(tiny_parameter_count(config), d)
     # Same seed on every rank: the replicas start identical. (DDP would also broadcast rank
     # 0's weights when it wraps the model, but equal seeds make single-process runs match.)
     torch.manual_seed(cfg.seed)
@@ -1417,6 +1500,10 @@ def crash_on_purpose(kind: str, d: Dist, step: int) -> None:
     print(f"[fault] rank {d.rank}: injected '{kind}' at step {step} (--inject-fault)", file=sys.stderr, flush=True)
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no goodbye: like the OOM killer or a lost node
+    if kind == "hang":  # alive but silent, like a deadlock: the others wait --timeout-s, then give up
+        while STOP.signal is None:  # until torchrun, ending the job, signals it
+            time.sleep(0.1)
+        os._exit(1)
     raise RuntimeError(f"injected failure on rank {d.rank} at step {step} (--inject-fault)")
 
 
@@ -1561,7 +1648,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None) -> TrainR
         step = progress.step + 1
         t_step = timer.start()
         fault = due_fault(cfg, d, step)
-        if fault in ("kill", "raise"):
+        if fault in ("kill", "raise", "hang"):
             crash_on_purpose(fault, d, step)
         cpu_batches = next(stream)
         # Count target tokens while the batch is still on the CPU: on a GPU it would be a sync.
@@ -2495,17 +2582,28 @@ def seed_dropout_per_rank(cfg: RunConfig, d: Dist) -> None:
 EXIT_STOPPED = 3  # stopped cleanly by a signal, checkpoint written, not finished
 
 
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+PEER_SILENT = ("Timed out", "timed out", "Timeout")
+
+
 def is_peer_failure(error: BaseException) -> bool:
-    """A collective failed because another rank went away (it crashed, or was killed)."""
-    text = str(error)
-    return isinstance(error, dist.DistError) or any(
-        sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-    )
+    """A collective failed because another rank went away (it crashed, was killed, or hung)."""
+    return isinstance(error, dist.DistError) or any(sign in str(error) for sign in PEER_GONE + PEER_SILENT)
 
 
-def report_error(message: str) -> None:
-    # Input errors are identical on every rank; one line per machine is enough.
-    if os.environ.get("LOCAL_RANK", "0") == "0":
+def describe_peer_failure(cfg: RunConfig, d: Dist, error: BaseException) -> str:
+    if any(sign in str(error) for sign in PEER_SILENT):
+        return (
+            f"rank {d.rank}: another rank did not answer within --timeout-s {cfg.timeout_s:g} "
+            f"(it hung, or is far slower): {first_line(error)}"
+        )
+    return f"rank {d.rank} lost contact with another rank, which probably failed first: {first_line(error)}"
+
+
+def report_error(message: str, every_rank: bool = False) -> None:
+    # Input errors are identical on every rank: one line per machine is enough. A lost peer is
+    # seen differently by each rank, so each says it.
+    if every_rank or os.environ.get("LOCAL_RANK", "0") == "0":
         print(f"error: {message}", file=sys.stderr, flush=True)
 
 
@@ -2522,6 +2620,9 @@ def main(argv: list[str] | None = None) -> None:
     except UsageError as e:
         report_error(str(e))
         raise SystemExit(2) from None
+    except TrainingError as e:
+        report_error(str(e), every_rank=True)
+        raise SystemExit(1) from None
     STOP.install()
     try:
         run(cfg, d, started)
@@ -2534,9 +2635,9 @@ def main(argv: list[str] | None = None) -> None:
     except RuntimeError as e:
         if not (d.distributed and is_peer_failure(e)):
             raise
-        # Not this rank's fault: say so in one line; the failed rank's own error and torchrun's
-        # summary say what happened there.
-        report_error(f"rank {d.rank} lost contact with another rank, which probably failed first: {first_line(e)}")
+        # Not this rank's fault: say so in one line, on every rank (each saw it from its own
+        # side); the failed rank's own error and torchrun's summary say what happened there.
+        report_error(describe_peer_failure(cfg, d, e), every_rank=True)
         raise SystemExit(1) from None
     finally:
         teardown_distributed()

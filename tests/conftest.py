@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -62,6 +63,12 @@ def run_cmd(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -
         out, err = proc.communicate()
         pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n--- stdout\n{out}\n--- stderr\n{err}")
     return Run(proc.returncode, out, err, time.perf_counter() - start)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def torchrun_cmd(nproc: int, args: list[str], launcher: list[str] | None = None, script: Path = SCRIPT) -> list[str]:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 
 import pytest
 import torch
-from conftest import TINY, launch
+from conftest import TINY, child_env, free_port, launch
 
 import llm_ddp_parallel_training as t
 
@@ -92,3 +94,102 @@ def test_unwritable_output_dir_fails_before_training(tmp_path):
     run = launch([*TINY, "--max-steps", "1", "--output-dir", str(blocker / "out")], nproc=2)
     assert_one_clear_error(run, "could not write the outputs", 2)
     assert "step " not in run.stdout
+
+
+def test_a_prompt_that_cannot_be_encoded_is_refused_before_training(tmp_path):
+    # A lone surrogate: what Python makes of an argument's bytes that are not UTF-8.
+    run = launch([*TINY, "--prompt", "caf\udce9", "--output-dir", str(tmp_path)])
+    assert_one_clear_error(run, "--prompt cannot be encoded as UTF-8", None)
+    assert run.returncode == 2 and "step " not in run.stdout
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--seed", str(2**64)), ("--seed", "-1"), ("--timeout-s", "1e300"), ("--timeout-s", "1e-9"),
+     ("--bucket-mb", "1e300"), ("--bucket-mb", "nan")],
+)  # fmt: skip
+def test_values_that_would_break_later_are_refused_at_parse_time(flag, value):
+    with pytest.raises(t.UsageError, match=re.escape(f"{flag}: must be from")):
+        t.parse_args([*TINY, flag, value])
+
+
+@pytest.mark.parametrize("flag", ["--d-model", "--n-layers"])
+def test_a_model_too_large_for_memory_is_refused_before_allocating(flag, tmp_path):
+    run = launch([*TINY, flag, str(2**40), "--output-dir", str(tmp_path)])
+    assert_one_clear_error(run, "lower --d-model or --n-layers", None)
+    assert run.returncode == 2
+
+
+def test_the_memory_check_counts_the_tiny_models_parameters_exactly():
+    config = t.TinyConfig(seq_len=64, d_model=48, n_heads=4, n_layers=3)
+    assert t.tiny_parameter_count(config) == sum(p.numel() for p in t.TinyTransformer(config).parameters())
+
+
+@pytest.mark.parametrize("kind", ["folder", "not json"])
+def test_a_metrics_file_that_is_not_one_is_refused(kind, tmp_path):
+    path = tmp_path / "metrics"
+    path.mkdir() if kind == "folder" else path.write_text("name,loss\nrun1,0.5\n")
+    run = launch([*TINY, "--max-steps", "1", "--metrics-file", str(path), "--output-dir", str(tmp_path / "out")])
+    assert_one_clear_error(run, f"--metrics-file {path} is not a", None)
+    assert run.returncode == 2
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [({"RANK": "3", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}, "inconsistent"),
+     ({"RANK": "0", "WORLD_SIZE": "2"}, "MASTER_ADDR or MASTER_PORT is not"),
+     ({"RANK": "0"}, "incomplete or not integers")],
+)  # fmt: skip
+def test_rank_variables_set_wrongly_without_torchrun_are_refused(env, expected):
+    run = launch([*TINY, "--max-steps", "1"], env=child_env(env))
+    assert_one_clear_error(run, expected, None)
+    assert run.returncode == 2
+
+
+def test_rank_variables_without_torchrun_and_no_peer_end_with_one_line_after_the_timeout(tmp_path):
+    env = child_env({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    run = launch([*TINY, "--max-steps", "1", "--timeout-s", "2", "--output-dir", str(tmp_path)], env=env)
+    assert_one_clear_error(run, "rank 0 of 2 could not join the process group", None)
+    assert "waiting up to 2 s for 2 ranks" in run.stdout
+
+
+def make_checkpoint_folder(root, manifest: bytes, state: bytes):
+    folder = root / "checkpoints" / "step_00000001"
+    folder.mkdir(parents=True)
+    (folder / "state.pt").write_bytes(state)
+    (folder / "manifest.json").write_bytes(manifest)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "manifest, state, expected",
+    [(b"[1, 2]", b"x", "is damaged: its manifest.json is not a checkpoint manifest"),
+     (None, b"not a pickle at all", "matches its manifest but is not a training state this script wrote")],
+)  # fmt: skip
+def test_a_checkpoint_that_is_valid_on_the_surface_is_refused_with_one_line(tmp_path, manifest, state, expected):
+    if manifest is None:  # the digest matches: only loading can tell
+        manifest = json.dumps({"sha256": {"state.pt": hashlib.sha256(state).hexdigest()}}).encode()
+    folder = make_checkpoint_folder(tmp_path, manifest, state)
+    run = launch([*TINY, "--max-steps", "1", "--output-dir", str(tmp_path), "--resume", str(folder)])
+    assert_one_clear_error(run, expected, None)
+    assert "weights_only" not in run.output
+
+
+@pytest.mark.parametrize(
+    "resume, expected",
+    [("autp", "autp does not exist (--resume takes auto, none, or a checkpoints/step_* folder)"),
+     ("{tmp}", "is not a checkpoint folder (no manifest.json, and not named step_*)"),
+     ("{tmp}/out", "holds checkpoints but is not one: name one of its step_* folders")],
+)  # fmt: skip
+def test_a_resume_value_that_is_no_checkpoint_says_what_it_is(tmp_path, resume, expected):
+    (tmp_path / "out" / "checkpoints").mkdir(parents=True)
+    run = launch([*TINY, "--max-steps", "1", "--output-dir", str(tmp_path / "out"), "--resume",
+                  resume.format(tmp=tmp_path)])  # fmt: skip
+    assert_one_clear_error(run, expected, None)
+    assert "interrupted" not in run.output
+
+
+def test_a_byte_order_mark_is_not_trained_on(tmp_path):
+    path = tmp_path / "bom.txt"
+    path.write_bytes("\ufeffFirst line\nSecond line\n".encode())
+    assert t.read_corpus_lines(path) == ["First line", "Second line"]

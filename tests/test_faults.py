@@ -332,3 +332,18 @@ def test_a_fresh_run_moves_another_runs_metrics_file_aside(tmp_path):
     assert "held 1 record(s) of an earlier run: moved to" in run.stdout
     assert [p.read_text() for p in tmp_path.glob("m.jsonl.before-*")] == [earlier]
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2]
+
+
+def test_a_rank_that_hangs_ends_the_job_after_the_timeout_with_one_line(tmp_path):
+    run = launch([*RUN, "--output-dir", str(tmp_path), "--timeout-s", "3", "--inject-fault", "1:5:hang"], nproc=2)
+    assert run.returncode != 0 and run.seconds < 30
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, run.stderr
+    assert "rank 0: another rank did not answer within --timeout-s 3" in errors[0]
+    assert SCRIPT.name + '", line' not in run.output
+
+
+def test_when_rank_0_dies_the_other_ranks_say_so_too(tmp_path):
+    run = launch([*RUN, "--output-dir", str(tmp_path), "--inject-fault", "0:5"], nproc=2, timeout=60)
+    assert run.returncode != 0 and run.seconds < 30
+    assert "error: rank 1 lost contact with another rank" in run.stderr, run.stderr

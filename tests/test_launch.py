@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 
 import torch
-from conftest import TINY, assert_ok, child_env, launch, run_cmd, torchrun_cmd
+from conftest import TINY, assert_ok, child_env, free_port, launch, run_cmd, torchrun_cmd
 
 import llm_ddp_parallel_training as t
 
@@ -31,12 +30,6 @@ def test_two_gloo_ranks_train_and_the_loss_falls(tmp_path):
     assert len(losses) >= 4 and losses[-1] < losses[0] - 1.0, losses
     assert (tmp_path / "tiny_transformer.pt").exists()
     assert "[sample] Each rank" in run.stdout
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_nodes_meet_through_c10d_rendezvous(tmp_path):
