@@ -138,6 +138,8 @@ class RunConfig:
     log_every: int
     prompt: str
     sample_tokens: int
+    # where --model-name-or-path's files are on this machine, once fetched (see main)
+    model_files: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -424,6 +426,7 @@ class Dist:
     device: torch.device
     backend: str | None  # None: a plain single process, no process group
     why: str  # the reason for the backend/device choice, printed at start
+    control: dist.ProcessGroup | None = None  # Gloo group for host numbers under NCCL (None: the default group)
 
     @property
     def is_main(self) -> bool:
@@ -519,7 +522,9 @@ def setup_distributed(cfg: RunConfig) -> Dist:
         raise TrainingError(
             f"rank {rank} of {world} could not join the process group at {where}: {first_line(e)}"
         ) from None
-    return Dist(rank, local_rank, world, local_world, device, backend, why)
+    # Under NCCL a second, Gloo group carries the step's host numbers (token counts, stop votes).
+    control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
+    return Dist(rank, local_rank, world, local_world, device, backend, why, control)
 
 
 def rendezvous_store(timeout: timedelta) -> dist.Store | None:
@@ -546,18 +551,16 @@ def teardown_distributed() -> None:
 
 
 def all_reduce_sum(d: Dist, values: list[float]) -> list[float]:
-    """Sum a few numbers over all ranks (a collective: every rank must call it)."""
+    """Sum a few host numbers over all ranks (a collective: every rank must call it).
+
+    They travel on the CPU, through Gloo (d.control): under NCCL they would have to be copied
+    to the GPU and read back, and that read waits for all the GPU work queued before it.
+    """
     if not d.distributed:
         return list(values)
-    comm_device = d.device if d.backend == "nccl" else torch.device("cpu")
-    t = torch.tensor(values, dtype=torch.float64, device=comm_device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=d.control)
     return t.tolist()
-
-
-def all_ranks_ok(d: Dist, ok: bool) -> bool:
-    """A barrier that also carries an outcome: True only if every rank reports ok."""
-    return all_reduce_sum(d, [0.0 if ok else 1.0])[0] == 0.0
 
 
 def say(message: str) -> None:
@@ -963,16 +966,16 @@ def build_qwen_kit(cfg: RunConfig, d: Dist, lines: list[str], val_lines: list[st
         tokenizer.pad_token = tokenizer.eos_token
     check_lora_targets(model, cfg.lora_targets)
     if cfg.gradient_checkpointing:
-        # Non-reentrant checkpointing: the reentrant kind re-runs forward inside backward,
-        # which fires DDP's gradient hooks twice ("marked ready twice"), and it needs an input
-        # that requires grad, which the frozen embedding does not give without help.
+        # Non-reentrant checkpointing: the reentrant kind re-runs forward inside backward, which
+        # fires DDP's gradient hooks twice ("marked ready twice"), and it only backpropagates
+        # through a checkpointed block whose input requires grad, which the frozen embedding's
+        # output does not (hence enable_input_require_grads() in recipes that use it; not here).
         # (transformers 5 renamed gradient_checkpointing_enable to activation_checkpointing_enable.)
         enable = getattr(model, "activation_checkpointing_enable", None)
         if enable is not None:
             enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
         model.config.use_cache = False
     torch.manual_seed(cfg.seed)  # LoRA A starts random (B at zero): the same on every rank
     lora = LoraConfig(
@@ -1034,20 +1037,29 @@ def build_qwen_kit(cfg: RunConfig, d: Dist, lines: list[str], val_lines: list[st
     )
 
 
+def gpu_computes_bf16() -> bool:
+    # Not torch's default answer, which counts GPUs that only emulate bf16 (pre-Ampere, such
+    # as a T4 or V100): there bf16 runs slower than fp32 and auto must not pick it.
+    return torch.cuda.is_bf16_supported(including_emulation=False)
+
+
 def choose_weights_dtype(cfg: RunConfig, d: Dist) -> torch.dtype:
     on_gpu = d.device.type == "cuda"
     if cfg.dtype == "auto":
         # Qwen2 was trained in bf16; fp16 overflows in it, so auto never picks fp16.
-        return torch.bfloat16 if on_gpu and torch.cuda.is_bf16_supported() else torch.float32
+        return torch.bfloat16 if on_gpu and gpu_computes_bf16() else torch.float32
     if cfg.dtype == "float16" and not on_gpu:
         raise UsageError("--dtype float16 needs a CUDA device; use float32 or bfloat16 on CPU")
     return getattr(torch, cfg.dtype)
 
 
-def resolve_model_files(cfg: RunConfig, d: Dist) -> Path:
-    """A local folder is used as it is. A hub name is fetched once per machine: local rank 0
-    downloads into the shared cache while the other ranks wait, then they read the cache, so
-    N ranks never download the same weights at once."""
+def resolve_model_files(cfg: RunConfig) -> Path:
+    """A local folder is used as it is; a hub name is fetched into the hub's cache.
+
+    main() calls this on every rank *before* the process group exists: a download can take
+    longer than any collective's timeout, so no rank may wait for it inside one. The cache's
+    file locks let one process per machine download each file while the others wait for it.
+    """
     source = cfg.model_name_or_path
     if Path(source).expanduser().is_dir():
         return Path(source).expanduser()
@@ -1055,31 +1067,16 @@ def resolve_model_files(cfg: RunConfig, d: Dist) -> Path:
         raise UsageError(f"cannot load model: no folder {source} (hub names look like Qwen/Qwen2.5-0.5B-Instruct)")
     from huggingface_hub import snapshot_download
 
-    def fetch(local_files_only: bool) -> Path:
-        try:
-            files = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
-            if cfg.trust_remote_code:
-                files.append("*.py")
-            return Path(snapshot_download(source, allow_patterns=files, local_files_only=local_files_only))
-        except (OSError, ValueError) as e:
-            raise UsageError(
-                f"cannot load model '{source}': it is not a local folder, and the Hugging Face Hub "
-                f"could not provide it (offline, or a wrong name?): {first_line(e)}"
-            ) from None
-
-    if not d.distributed:
-        return fetch(local_files_only=False)
-    # The wait is a collective that carries rank 0's outcome, so a failed download stops every
-    # rank at once instead of leaving them at a barrier.
-    path, error = None, ""
-    if d.local_rank == 0:
-        try:
-            path = fetch(local_files_only=False)
-        except UsageError as e:
-            error = str(e)
-    if not all_ranks_ok(d, not error):
-        raise UsageError(error or f"cannot load model '{source}': the download failed on another machine")
-    return path or fetch(local_files_only=True)
+    try:
+        files = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+        if cfg.trust_remote_code:
+            files.append("*.py")
+        return Path(snapshot_download(source, allow_patterns=files))
+    except (OSError, ValueError) as e:
+        raise UsageError(
+            f"cannot load model '{source}': it is not a local folder, and the Hugging Face Hub "
+            f"could not provide it (offline, or a wrong name?): {first_line(e)}"
+        ) from None
 
 
 def load_pretrained(cfg: RunConfig, d: Dist, dtype: torch.dtype) -> tuple[PreTrainedTokenizerBase, nn.Module]:
@@ -1087,7 +1084,7 @@ def load_pretrained(cfg: RunConfig, d: Dist, dtype: torch.dtype) -> tuple[PreTra
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # one bar per rank is noise, not news
-    folder = resolve_model_files(cfg, d)
+    folder = cfg.model_files or resolve_model_files(cfg)
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code)
         model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -1291,9 +1288,13 @@ def wrap_data_parallel(model: nn.Module, cfg: RunConfig, d: Dist, stats: CommSta
         model,
         device_ids=[d.device.index] if d.device.type == "cuda" else None,
         bucket_cap_mb=cfg.bucket_mb,
-        # After the first backward .grad points into the bucket, so the average needs no copy back
-        # out (zero_grad(set_to_none=True) still makes each backward copy its gradient in).
+        # After the first backward .grad *is* a view into its bucket: backward accumulates into
+        # the bucket and the averaged result needs no copy back out. (This holds only while the
+        # .grad tensors live on: the loop zeroes them in place rather than setting them to None.)
         gradient_as_bucket_view=True,
+        # Buffers never change here (Qwen's rotary frequencies are fixed), so there is nothing
+        # to re-send from rank 0 before every forward: DDP's broadcast at wrap time is enough.
+        broadcast_buffers=False,
     )
     ddp.register_comm_hook(stats, counting_allreduce_hook)
     return ddp
@@ -1318,10 +1319,10 @@ def finish_gradient_sync(model: nn.Module) -> None:
 def all_gather_tensor(d: Dist, t: torch.Tensor) -> list[torch.Tensor]:
     if not d.distributed:
         return [t]
-    t = t.to(d.device if d.backend == "nccl" else "cpu")
+    t = t.detach().cpu()  # host numbers travel through Gloo (see all_reduce_sum)
     out = [torch.empty_like(t) for _ in range(d.world_size)]
-    dist.all_gather(out, t)
-    return [o.cpu() for o in out]
+    dist.all_gather(out, t, group=d.control)
+    return out
 
 
 def verify_replicas_agree(d: Dist, step: int, when: str, named: list[tuple[str, torch.Tensor]]) -> None:
@@ -1449,7 +1450,7 @@ def lr_at(cfg: RunConfig, step: int) -> float:
 def choose_precision(cfg: RunConfig, d: Dist) -> str:
     on_gpu = d.device.type == "cuda"
     if cfg.precision == "auto":
-        return "bf16" if on_gpu and torch.cuda.is_bf16_supported() else "fp32"
+        return "bf16" if on_gpu and gpu_computes_bf16() else "fp32"
     if cfg.precision == "fp16" and not on_gpu:
         raise UsageError("--precision fp16 needs a CUDA GPU (its GradScaler is CUDA-only); use bf16 or fp32 on CPU")
     return cfg.precision
@@ -1696,23 +1697,28 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None) -> TrainR
 
         # Each rank's loss covers its own shard; the sum over ranks, divided by the global
         # token count, is the loss of the global batch: the number the update follows.
-        (global_loss_sum,) = all_reduce_sum(d, [loss_sum.item()])
-        loss = global_loss_sum / global_tokens
+        local_loss_sum = loss_sum.clone()
+        if d.distributed:
+            dist.all_reduce(loss_sum)  # on the device: nothing is read back yet
         if scaler:
             scaler.unscale_(optimizer)  # clip and report the true gradient, not the scaled one
         if inspecting:  # the averaged gradient as the all-reduce left it, before any clipping
-            report_inspect_step(cfg, d, step, stats, (calls, nbytes), named_params, loss_sum.item(), micro_tokens)
+            report_inspect_step(cfg, d, step, stats, (calls, nbytes), named_params, local_loss_sum.item(), micro_tokens)
         # The norm of the *synchronised* gradient: identical on every rank, so clipping keeps
         # the replicas identical too.
         if cfg.grad_clip:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip).item()
+            norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         else:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]).item()
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        # The step's one read from the device (on a GPU, a wait for it): the guard below must
+        # know before the update whether the loss and gradient are finite.
+        global_loss_sum, grad_norm = torch.stack([loss_sum.float(), norm.float()]).tolist()
+        loss = global_loss_sum / global_tokens
         timer.mark("sync")
         # With fp16 an overflowing gradient is routine: the scaler skips that step and lowers
         # its scale, identically on every rank. Anything else non-finite stops the run.
         if not math.isfinite(loss) or (not math.isfinite(grad_norm) and scaler is None):
-            raise_non_finite(d, step, loss, grad_norm, loss_sum.item())
+            raise_non_finite(d, step, loss, grad_norm, local_loss_sum.item())
         if cfg.verify_sync and step % cfg.verify_sync == 0:
             verify_replicas_agree(d, step, "after the gradient all-reduce", trainable_grads(named_params))
         if scaler:
@@ -1720,7 +1726,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None) -> TrainR
             scaler.update()
         else:
             optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=False)  # in place: .grad stays a view into DDP's bucket
         timer.mark("optimizer")
         if cfg.verify_sync and step % cfg.verify_sync == 0:
             state = params_and_optimizer_state(named_params, optimizer)
@@ -1835,15 +1841,32 @@ def evaluate(cfg: RunConfig, d: Dist, kit: ModelKit, precision: str) -> dict[str
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_bpb": loss_sum / (math.log(2) * nbytes)}
 
 
-# Dense bf16/fp16 tensor-core peaks in FLOP/s, from the vendors' data sheets, for MFU.
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "RTX 4090": 165e12}
+# Dense bf16/fp16 tensor-core peaks in FLOP/s, from the vendors' data sheets, for MFU. Matched
+# by the exact name torch reports: by substring, "NVIDIA L4" would match an L40, and "H100"
+# would give an H100 PCIe (756) the SXM part's 989.
+PEAK_FLOPS = {
+    "NVIDIA H200": 989e12,
+    "NVIDIA H100 80GB HBM3": 989e12,
+    "NVIDIA H100 NVL": 835e12,
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA L40S": 362e12,
+    "NVIDIA L4": 121e12,
+    "NVIDIA GeForce RTX 4090": 165e12,
+}
 
 
 def peak_flops(d: Dist, precision: str) -> float | None:
+    """This GPU's peak for MFU; None (and one line saying why) where it is not known."""
     if d.device.type != "cuda" or precision not in ("bf16", "fp16"):
         return None
     name = torch.cuda.get_device_name(d.device)
-    return next((peak for key, peak in PEAK_FLOPS.items() if key in name), None)
+    if name not in PEAK_FLOPS:
+        log(d, f"[run] MFU not reported: no peak FLOP/s on file for '{name}' (PEAK_FLOPS in the script)")
+    return PEAK_FLOPS.get(name)
 
 
 def training_flops_per_token(model: nn.Module, n_layers: int, attention_width: int, seq_len: int) -> float:
@@ -2616,6 +2639,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_flush_denormal(True)
     try:
         cfg = parse_args(argv)
+        if cfg.model == "qwen":  # before connecting: a download must not wait inside a collective
+            cfg = replace(cfg, model_files=resolve_model_files(cfg))
         d = setup_distributed(cfg)
     except UsageError as e:
         report_error(str(e))
