@@ -1864,9 +1864,14 @@ def peak_flops(d: Dist, precision: str) -> float | None:
     if d.device.type != "cuda" or precision not in ("bf16", "fp16"):
         return None
     name = torch.cuda.get_device_name(d.device)
-    if name not in PEAK_FLOPS:
+    peak = gpu_peak_flops(name)
+    if peak is None:
         log(d, f"[run] MFU not reported: no peak FLOP/s on file for '{name}' (PEAK_FLOPS in the script)")
-    return PEAK_FLOPS.get(name)
+    return peak
+
+
+def gpu_peak_flops(name: str) -> float | None:
+    return PEAK_FLOPS.get(name.strip())
 
 
 def training_flops_per_token(model: nn.Module, n_layers: int, attention_width: int, seq_len: int) -> float:

@@ -14,6 +14,7 @@ import resource
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -347,3 +348,27 @@ def test_when_rank_0_dies_the_other_ranks_say_so_too(tmp_path):
     run = launch([*RUN, "--output-dir", str(tmp_path), "--inject-fault", "0:5"], nproc=2, timeout=60)
     assert run.returncode != 0 and run.seconds < 30
     assert "error: rank 1 lost contact with another rank" in run.stderr, run.stderr
+
+
+def test_a_second_signal_after_the_first_was_acknowledged_stops_at_once():
+    # The deliberate way out stays: a repeat within REPEAT_S (here 0.5 s) is the launcher's
+    # forwarded copy and changes nothing; one after it exits at once, without a checkpoint.
+    code = (
+        "import os, signal, sys, time\n"
+        "import llm_ddp_parallel_training as t\n"
+        "t.STOP.install()\n"
+        "t.STOP.REPEAT_S = 0.5\n"
+        "for pause in (0.1, 0.1):\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(pause)\n"
+        "print('still running after the copy', flush=True)\n"
+        "time.sleep(0.6)\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "time.sleep(10)\n"
+        "print('never printed')\n"
+    )
+    run = run_cmd([sys.executable, "-c", code], timeout=30)
+    assert run.returncode == 128 + signal.SIGINT
+    assert "still running after the copy" in run.stdout and "never printed" not in run.stdout
+    assert "[stop] SIGINT: every rank stops after this step" in run.stderr
+    assert "[stop] second SIGINT: stopping at once, without a checkpoint" in run.stderr

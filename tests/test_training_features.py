@@ -168,3 +168,13 @@ def test_a_terminal_gets_a_progress_bar_and_a_pipe_gets_log_lines(tmp_path, repo
     assert "5/5" in screen and ("step/s" in screen or "s/step" in screen), screen
     assert "step     1/5 | loss" not in screen
     assert "[summary]" in screen
+
+
+@pytest.mark.parametrize(
+    "name, peak",
+    [("NVIDIA L4", 121e12), ("NVIDIA L40", None), ("NVIDIA L40S", 362e12), ("NVIDIA H100 PCIe", 756e12),
+     ("NVIDIA H100 80GB HBM3", 989e12), ("Tesla T4", None)],
+)  # fmt: skip
+def test_mfu_peaks_match_the_gpu_name_exactly(name, peak):
+    # By substring "L4" would match an L40, and "H100" would give the PCIe part the SXM's peak.
+    assert t.gpu_peak_flops(name) == peak
