@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -67,23 +68,35 @@ def test_a_killed_worker_is_restarted_by_torchrun_and_resumes_bit_exactly(uninte
     assert_bitwise_equal(weights(uninterrupted), weights(tmp_path))
 
 
-def test_sigterm_stops_every_rank_with_a_checkpoint_and_the_same_command_finishes(uninterrupted, tmp_path):
-    metrics = tmp_path / "metrics.jsonl"
-    args = [*RUN, "--output-dir", str(tmp_path), "--log-every", "1", "--metrics-file", str(metrics)]
-    proc = subprocess.Popen(torchrun_cmd(2, args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=child_env(), start_new_session=True)  # fmt: skip
+def signal_at_step(cmd: list[str], step: int, send: Callable[[int], None]) -> tuple[int, str, float]:
+    """Start torchrun, wait until it logs `step`, call send(torchrun's pid), then collect the rest.
+
+    Returns the exit code, everything printed, and the seconds from the signal to the exit.
+    """
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
+                            start_new_session=True)  # fmt: skip
     try:
-        for line in proc.stdout:  # wait until training is under way, then ask torchrun to stop
-            if line.startswith("step    20/"):
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith(f"step {step:>5}/"):
                 break
         sent = time.perf_counter()
-        os.kill(proc.pid, signal.SIGTERM)
-        output, _ = proc.communicate(timeout=60)
-        stop_seconds = time.perf_counter() - sent
+        send(proc.pid)
+        output = "".join(seen) + proc.communicate(timeout=90)[0]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode != 0
+    return proc.returncode, output, time.perf_counter() - sent
+
+
+def test_sigterm_stops_every_rank_with_a_checkpoint_and_the_same_command_finishes(uninterrupted, tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    args = [*RUN, "--output-dir", str(tmp_path), "--log-every", "1", "--metrics-file", str(metrics)]
+    returncode, output, stop_seconds = signal_at_step(
+        torchrun_cmd(2, args), 20, lambda pid: os.kill(pid, signal.SIGTERM)
+    )
+    assert returncode != 0
     assert "[stop] SIGTERM: every rank stopped after step" in output, output
     stopped_at = int(output.split("stopped after step ")[1].split(";")[0])
     assert 20 <= stopped_at < 120
@@ -182,22 +195,14 @@ def test_one_signal_to_the_whole_job_still_stops_cleanly_with_a_checkpoint(tmp_p
     # when idle, slower on a loaded machine), while the workers are still in the step (the default
     # d 512 model: about 0.25 s a step). It must not count as a second, "stop at once" request.
     args = [*RUN, "--d-model", "512", "--batch-size", "16", "--output-dir", str(tmp_path), "--log-every", "1"]
-    proc = subprocess.Popen(torchrun_cmd(2, args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=child_env(), start_new_session=True)  # fmt: skip
-    try:
-        seen = []
-        for line in proc.stdout:
-            seen.append(line)
-            if line.startswith("step     2/"):
-                break
-        for pid in child_pids(proc.pid):
+
+    def workers_then_launcher(launcher: int) -> None:
+        for pid in child_pids(launcher):
             os.kill(pid, sig)
         time.sleep(0.1)
-        os.kill(proc.pid, sig)
-        output = "".join(seen) + proc.communicate(timeout=60)[0]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        os.kill(launcher, sig)
+
+    _, output, _ = signal_at_step(torchrun_cmd(2, args), 2, workers_then_launcher)
     assert f"[stop] {sig.name}: every rank stopped after step" in output, output
     assert "stopping at once" not in output and "KeyboardInterrupt" not in output, output
     stopped_at = int(output.split("stopped after step ")[1].split(";")[0])
@@ -279,23 +284,11 @@ def test_a_requested_stop_stays_stopped_under_max_restarts(tmp_path):
     # counts as a failure and restarts. The restarted attempt must not resume and finish.
     args = [*RUN, "--output-dir", str(tmp_path), "--log-every", "1", "--max-steps", "400"]
     cmd = torchrun_cmd(2, args, ["--standalone", "--max-restarts=1"])
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
-                            start_new_session=True)  # fmt: skip
-    try:
-        seen = []
-        for line in proc.stdout:
-            seen.append(line)
-            if line.startswith("step    20/"):
-                break
-        os.kill(child_pids(proc.pid)[0], signal.SIGTERM)
-        output = "".join(seen) + proc.communicate(timeout=90)[0]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    returncode, output, _ = signal_at_step(cmd, 20, lambda launcher: os.kill(child_pids(launcher)[0], signal.SIGTERM))
     assert "every rank stopped after step" in output, output
     assert "torchrun restarted the job after a requested stop: it stays stopped" in output, output
     assert "continuing from" not in output and not (tmp_path / "tiny_transformer.pt").exists()
-    assert proc.returncode != 0
+    assert returncode != 0
 
 
 def test_a_full_disk_under_the_metrics_file_ends_every_rank_with_one_line(tmp_path):
