@@ -33,8 +33,10 @@ import os
 import random
 import shutil
 import signal
+import socket
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -1573,9 +1575,15 @@ class StopRequest:
 
     One request usually arrives twice. Ctrl-C in a terminal (and Slurm's or systemd's SIGTERM)
     signals every process of the job, torchrun's agent included, and the agent forwards its own
-    copy to every worker a moment later. So a repeat within REPEAT_S seconds is that copy, never
-    a second request. A signal after that, once the acknowledgement is on screen, is deliberate:
-    the process exits at once, without a checkpoint.
+    copy to every worker a moment later. So a repeat that *arrives* within REPEAT_S seconds is
+    that copy, never a second request. A signal after that, once the acknowledgement is on
+    screen, is deliberate: the process exits at once, without a checkpoint.
+
+    Arrival is timed by a thread, not by the handler: Python runs a handler only between the
+    main thread's bytecodes, and the main thread may be inside one C call (a backward pass, a
+    wait in a collective) for many seconds, which would make the copy look late. The C-level
+    handler writes each signal's number to a wakeup socket the moment it arrives; the thread
+    reads it there.
     """
 
     REPEAT_S = 3.0
@@ -1585,13 +1593,24 @@ class StopRequest:
         self.at = 0.0
 
     def install(self) -> None:
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        self._wakeup = (reader, writer)  # both ends live as long as the process
+        threading.Thread(target=self._watch, args=(reader,), name="stop-signals", daemon=True).start()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._record)
+            # A Python handler must exist for the wakeup byte to be written; it has nothing to do.
+            signal.signal(sig, lambda signum, frame: None)
 
-    def _record(self, signum: int, frame: object) -> None:
-        # os.write, not print: a handler can interrupt a print, and print is not re-entrant.
+    def _watch(self, reader: socket.socket) -> None:
+        while data := reader.recv(64):
+            now = time.monotonic()
+            for signum in data:
+                if signum in (signal.SIGTERM, signal.SIGINT):
+                    self._arrived(signum, now)
+
+    def _arrived(self, signum: int, now: float) -> None:
         name = signal.Signals(signum).name
-        now = time.monotonic()
         if self.signal is None:
             self.signal, self.at = signum, now
             if os.environ.get("LOCAL_RANK", "0") == "0":

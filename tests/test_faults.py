@@ -365,3 +365,25 @@ def test_a_second_signal_after_the_first_was_acknowledged_stops_at_once():
     assert "still running after the copy" in run.stdout and "never printed" not in run.stdout
     assert "[stop] SIGINT: every rank stops after this step" in run.stderr
     assert "[stop] second SIGINT: stopping at once, without a checkpoint" in run.stderr
+
+
+def test_the_launchers_copy_is_recognised_even_while_a_long_computation_runs():
+    # Python runs signal handlers only between bytecodes. Here the forwarded copy arrives 0.2 s
+    # after the first signal but while the main thread is inside one long C call (a few
+    # seconds of matmuls, as in a big backward pass): it must still count as the same request.
+    code = (
+        "import os, signal, threading, time, torch\n"
+        "import llm_ddp_parallel_training as t\n"
+        "torch.set_num_threads(1)\n"
+        "t.STOP.install()\n"
+        "t.STOP.REPEAT_S = 0.5\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(0.1)\n"
+        "threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()\n"
+        "started = time.monotonic()\n"
+        "torch.linalg.matrix_power(torch.randn(1200, 1200, dtype=torch.float64), 63)\n"
+        "print(f'computed for {time.monotonic() - started:.1f} s; still running', flush=True)\n"
+    )
+    run = run_cmd([sys.executable, "-c", code], timeout=60)
+    assert run.returncode == 0, run.output
+    assert "still running" in run.stdout and "stopping at once" not in run.stderr
