@@ -140,8 +140,6 @@ class RunConfig:
     log_every: int
     prompt: str
     sample_tokens: int
-    # where --model-name-or-path's files are on this machine, once fetched (see main)
-    model_files: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -429,6 +427,7 @@ class Dist:
     backend: str | None  # None: a plain single process, no process group
     why: str  # the reason for the backend/device choice, printed at start
     control: dist.ProcessGroup | None = None  # Gloo group for host numbers under NCCL (None: the default group)
+    store: dist.Store | None = None  # the rendezvous key-value store the ranks met in
 
     @property
     def is_main(self) -> bool:
@@ -511,9 +510,10 @@ def setup_distributed(cfg: RunConfig) -> Dist:
     # instead of hanging it.
     timeout = timedelta(seconds=cfg.timeout_s)
     try:
+        agent_store = rendezvous_store(timeout)
         dist.init_process_group(
             backend=backend,
-            store=rendezvous_store(timeout),
+            store=agent_store,
             rank=rank,
             world_size=world,
             timeout=timeout,
@@ -526,7 +526,9 @@ def setup_distributed(cfg: RunConfig) -> Dist:
         ) from None
     # Under NCCL a second, Gloo group carries the step's host numbers (token counts, stop votes).
     control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
-    return Dist(rank, local_rank, world, local_world, device, backend, why, control)
+    # Without torchrun's agent store, torch built one from MASTER_ADDR/PORT: take that one.
+    store = agent_store or dist.distributed_c10d._get_default_store()
+    return Dist(rank, local_rank, world, local_world, device, backend, why, control, store)
 
 
 def rendezvous_store(timeout: timedelta) -> dist.Store | None:
@@ -550,6 +552,22 @@ def teardown_distributed() -> None:
         # Gloo's threads can still own tensors then, and the process aborts (pytorch#179291).
         gc.collect()
         dist.destroy_process_group()
+
+
+def meet_without_deadline(d: Dist, name: str, problem: str) -> str:
+    """Wait, for as long as it takes, until every rank gets here; return the first problem any
+    rank brought ('' if none).
+
+    The meeting is in the rendezvous store, not a collective: every collective is bounded by
+    --timeout-s, and what the ranks wait for here (a download) may take longer.
+    """
+    failed, arrived = f"{name}/failed", f"{name}/arrived"
+    if problem:
+        d.store.set(failed, problem)  # before arriving, so no rank can see everyone arrived without it
+    d.store.add(arrived, 1)
+    while d.store.add(arrived, 0) < d.world_size and not d.store.check([failed]):
+        time.sleep(0.2)
+    return d.store.get(failed).decode() if d.store.check([failed]) else ""
 
 
 def all_reduce_sum(d: Dist, values: list[float]) -> list[float]:
@@ -1055,13 +1073,27 @@ def choose_weights_dtype(cfg: RunConfig, d: Dist) -> torch.dtype:
     return getattr(torch, cfg.dtype)
 
 
-def resolve_model_files(cfg: RunConfig) -> Path:
+def resolve_model_files(cfg: RunConfig, d: Dist) -> Path:
     """A local folder is used as it is; a hub name is fetched into the hub's cache.
 
-    main() calls this on every rank *before* the process group exists: a download can take
-    longer than any collective's timeout, so no rank may wait for it inside one. The cache's
-    file locks let one process per machine download each file while the others wait for it.
+    Every rank asks the cache: its file locks let one process per machine download each file
+    while the others on that machine wait. Then all ranks meet with no deadline: a download
+    may take longer than --timeout-s, which bounds every collective, and must not be cut short
+    by it (nor may a machine whose cache is warm give up on one that is still downloading). A
+    rank whose fetch fails leaves its message for the others, so every rank ends with it.
     """
+    try:
+        path, problem = fetch_model_files(cfg), ""
+    except UsageError as e:
+        path, problem = None, str(e)
+    if d.distributed:
+        problem = meet_without_deadline(d, "model_files", problem)
+    if problem:
+        raise UsageError(problem)
+    return path
+
+
+def fetch_model_files(cfg: RunConfig) -> Path:
     source = cfg.model_name_or_path
     if Path(source).expanduser().is_dir():
         return Path(source).expanduser()
@@ -1086,7 +1118,7 @@ def load_pretrained(cfg: RunConfig, d: Dist, dtype: torch.dtype) -> tuple[PreTra
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # one bar per rank is noise, not news
-    folder = cfg.model_files or resolve_model_files(cfg)
+    folder = resolve_model_files(cfg, d)
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code)
         model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -1655,9 +1687,15 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None) -> TrainR
 
     settings = run_settings(cfg, d, kit) if d.is_main else {}  # what a checkpoint must match to resume
 
+    saved_step = progress.step if resume else None  # the step whose state is on disk
+
     def save_state() -> None:
+        nonlocal saved_step
+        if progress.step == saved_step:  # a stop right after a save: that checkpoint is this state
+            return
         state = training_state(d, settings, named_params, optimizer, scaler, progress)
         save_training_state(cfg, d, state, progress.step)
+        saved_step = progress.step
 
     reporter = Reporter(cfg, d, kit, progress, precision)
     timer = PhaseTimer(cfg.time_breakdown, d.device)
@@ -2156,30 +2194,34 @@ def prepare_outputs(cfg: RunConfig) -> None:
         cfg.metrics_file.touch()
 
 
+METRICS_RECORD_START = b'{"step": '  # every record opens so (json.dumps keeps the key order)
+
+
 def read_metrics_records(path: Path) -> list[tuple[int, bytes]]:
     """(step, line) for each record of an existing metrics file.
 
-    A last line without its newline is a write that was cut off (a full disk, a kill): it is
-    dropped, not fatal. Anything else that is not a record means the file is not ours.
+    A last line without its newline that is the start of a record is a write that was cut off
+    (a full disk, a kill): it is dropped, not fatal. Anything else that is not a record means the
+    file is not ours, and is never overwritten.
     """
     if not path.exists():
         return []
     if not path.is_file():
         raise UsageError(f"--metrics-file {path} is not a file")
-    *complete, torn = path.read_bytes().split(b"\n")
+    *complete, last = path.read_bytes().split(b"\n")
     records = []
-    for number, line in enumerate(complete, 1):
+    for number, line in enumerate([*complete, last], 1):
         if not line.strip():
             continue
         step = metrics_record_step(line)
+        if step is None and number > len(complete) and line.startswith(METRICS_RECORD_START):
+            continue  # the torn last write
         if step is None:
             raise UsageError(
                 f"--metrics-file {path} is not a metrics file (line {number} is not a JSON record with a step); "
                 "name a new file"
             )
         records.append((step, line))
-    if (step := metrics_record_step(torn)) is not None:
-        records.append((step, torn))
     return records
 
 
@@ -2202,7 +2244,7 @@ def prepare_metrics_file(cfg: RunConfig, start_step: int) -> None:
     path = cfg.metrics_file
     records = read_metrics_records(path)
     if start_step == 0 and records and elastic_attempt()[1] == 0:
-        aside = path.with_name(f"{path.name}.before-{time.strftime('%Y%m%d-%H%M%S')}")
+        aside = unused_path(path.with_name(f"{path.name}.before-{time.strftime('%Y%m%d-%H%M%S')}"))
         os.replace(path, aside)
         say(f"[metrics] {path} held {len(records)} record(s) of an earlier run: moved to {aside}")
         records = []
@@ -2428,14 +2470,15 @@ def find_resume_state(cfg: RunConfig, d: Dist, settings: dict) -> dict | None:
 
 def choose_checkpoint(cfg: RunConfig, settings: dict) -> dict | None:
     root = checkpoint_root(cfg)
-    if cfg.resume == "none":
+    mode = resume_mode(cfg)
+    if mode == "none":
         if root.exists():
             # Starting over must not mix this run's checkpoints with an earlier run's.
-            aside = cfg.output_dir / f"checkpoints.before-{time.strftime('%Y%m%d-%H%M%S')}"
+            aside = unused_path(cfg.output_dir / f"checkpoints.before-{time.strftime('%Y%m%d-%H%M%S')}")
             os.replace(root, aside)
             say(f"[resume] --resume none: moved the earlier run's checkpoints to {aside}")
         return None
-    if cfg.resume == "auto":
+    if mode == "auto":
         folder, state = newest_usable_checkpoint(root)
         if state is None:
             return None
@@ -2446,12 +2489,33 @@ def choose_checkpoint(cfg: RunConfig, settings: dict) -> dict | None:
         state = read_checkpoint(folder)
     check_same_run(state, settings, folder)
     step = state["progress"]["step"]
-    newest = " the newest complete checkpoint" if cfg.resume == "auto" else ""
+    newest = " the newest complete checkpoint" if mode == "auto" else ""
     say(f"[resume] continuing from {folder} (step {step},{newest})".replace(",)", ")"))
     retire_newer_checkpoints(cfg, step)
     if state["settings"].get("max_steps", cfg.max_steps) != cfg.max_steps:
         say(describe_schedule_change(cfg, state["settings"]["max_steps"], step))
     return state
+
+
+def resume_mode(cfg: RunConfig) -> str:
+    """auto, none or a path: --resume, except in an attempt torchrun restarted.
+
+    A restart must continue from the newest checkpoint this job wrote: going back to --resume
+    PATH would throw away everything trained since, and --resume none would set it all aside.
+    """
+    if cfg.resume != "auto" and elastic_attempt()[1] > 0:
+        say(f"[resume] torchrun restarted the job: --resume {cfg.resume} was for its first attempt; using auto")
+        return "auto"
+    return cfg.resume
+
+
+def unused_path(path: Path) -> Path:
+    """`path`, or path-2, path-3, ... if it exists (names carry the time to the second only)."""
+    candidate, n = path, 1
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}-{n}")
+    return candidate
 
 
 def newest_usable_checkpoint(root: Path) -> tuple[Path | None, dict | None]:
@@ -2484,8 +2548,8 @@ def retire_newer_checkpoints(cfg: RunConfig, step: int) -> None:
         shutil.rmtree(folder, ignore_errors=True)
     kept = [f for f in newer if f not in debris]
     if kept:
-        aside = cfg.output_dir / f"checkpoints.abandoned-{time.strftime('%Y%m%d-%H%M%S')}"
-        aside.mkdir(parents=True, exist_ok=True)
+        aside = unused_path(cfg.output_dir / f"checkpoints.abandoned-{time.strftime('%Y%m%d-%H%M%S')}")
+        aside.mkdir(parents=True)
         for folder in kept:
             os.replace(folder, aside / folder.name)
         say(f"[resume] {len(kept)} checkpoint(s) after step {step} belong to the abandoned run: moved to {aside}")
@@ -2502,10 +2566,13 @@ def describe_schedule_change(cfg: RunConfig, saved_max_steps: int, step: int) ->
 
 def check_same_run(state: dict, settings: dict, folder: Path) -> None:
     saved = state.get("settings", {})
+    unrecorded = [k for k in settings if k not in saved]
+    if unrecorded:  # written by an earlier version of this script, before these were checked
+        say(f"[resume] {folder} does not record {', '.join(unrecorded)}: taking this command's values")
     changed = [
-        f"{k}: {saved.get(k)!r} then, {v!r} now"
+        f"{k}: {saved[k]!r} then, {v!r} now"
         for k, v in settings.items()
-        if saved.get(k) != v and k not in MAY_CHANGE_ON_RESUME
+        if k in saved and saved[k] != v and k not in MAY_CHANGE_ON_RESUME
     ]
     if changed:
         raise UsageError(
@@ -2522,14 +2589,21 @@ STOP_MARKER = "stop_request.json"
 
 
 def elastic_attempt() -> tuple[str | None, int]:
-    """torchrun's run id (None without torchrun) and how many times it has restarted the job."""
-    return os.environ.get("TORCHELASTIC_RUN_ID"), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    """torchrun's launch (None without torchrun) and how many times it has restarted the job.
+
+    The launch is the run id *and* the agent process (rank 0's parent) on its host: run ids
+    repeat across launches (torchrun's default --rdzv-id is "none"; a requeued Slurm job keeps
+    its id), while one agent lives exactly as long as one launch.
+    """
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    launch = f"{run_id}@{socket.gethostname()}:{os.getppid()}" if run_id is not None else None
+    return launch, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def write_stop_marker(cfg: RunConfig, step: int, signal_name: str) -> None:
-    run_id, attempt = elastic_attempt()
-    if run_id is not None:
-        marker = {"run_id": run_id, "restart_count": attempt, "step": step, "signal": signal_name}
+    launch, attempt = elastic_attempt()
+    if launch is not None:
+        marker = {"launch": launch, "restart_count": attempt, "step": step, "signal": signal_name}
         atomic_write(cfg.output_dir / STOP_MARKER, json.dumps(marker).encode())
 
 
@@ -2541,8 +2615,8 @@ def stopped_in_an_earlier_attempt(cfg: RunConfig) -> bool:
         marker = json.loads(path.read_bytes())
     except (OSError, ValueError):
         marker = None
-    run_id, attempt = elastic_attempt()
-    if isinstance(marker, dict) and marker.get("run_id") == run_id and attempt > marker.get("restart_count", attempt):
+    launch, attempt = elastic_attempt()
+    if isinstance(marker, dict) and marker.get("launch") == launch and attempt > marker.get("restart_count", attempt):
         return True
     path.unlink(missing_ok=True)  # another launch: the stop is over, and resuming is what is asked now
     return False
@@ -2597,7 +2671,8 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
     step = result.progress.step
     if result.stopped_by:
         rank0_writes(d, "the stop marker", lambda: write_stop_marker(cfg, step, result.stopped_by))
-        log(d, f"[stop] {result.stopped_by}: every rank stopped after step {step}; the same command resumes there")
+        again = "the same command resumes there" if cfg.resume == "auto" else "--resume auto resumes there"
+        log(d, f"[stop] {result.stopped_by}: every rank stopped after step {step}; {again}")
         raise SystemExit(EXIT_STOPPED)
     outputs = [cfg.output_dir / kit.final_name]
     rank0_writes(d, kit.final_label, lambda: kit.save_final(kit.model, step))
@@ -2648,9 +2723,10 @@ def describe_peer_failure(cfg: RunConfig, d: Dist, error: BaseException) -> str:
 
 
 def report_error(message: str, every_rank: bool = False) -> None:
-    # Input errors are identical on every rank: one line per machine is enough. A lost peer is
-    # seen differently by each rank, so each says it.
-    if every_rank or os.environ.get("LOCAL_RANK", "0") == "0":
+    # Input errors are identical on every rank: under torchrun one line per machine is enough.
+    # A lost peer is seen differently by each rank, so each says it; and a process that
+    # torchrun did not start (whatever its LOCAL_RANK says) has no one to speak for it.
+    if every_rank or os.environ.get("LOCAL_RANK", "0") == "0" or "TORCHELASTIC_RUN_ID" not in os.environ:
         print(f"error: {message}", file=sys.stderr, flush=True)
 
 
@@ -2663,8 +2739,6 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_flush_denormal(True)
     try:
         cfg = parse_args(argv)
-        if cfg.model == "qwen":  # before connecting: a download must not wait inside a collective
-            cfg = replace(cfg, model_files=resolve_model_files(cfg))
         d = setup_distributed(cfg)
     except UsageError as e:
         report_error(str(e))

@@ -125,10 +125,13 @@ def test_the_memory_check_counts_the_tiny_models_parameters_exactly():
     assert t.tiny_parameter_count(config) == sum(p.numel() for p in t.TinyTransformer(config).parameters())
 
 
-@pytest.mark.parametrize("kind", ["folder", "not json"])
+@pytest.mark.parametrize("kind", ["folder", "not json", "json without a newline"])
 def test_a_metrics_file_that_is_not_one_is_refused(kind, tmp_path):
     path = tmp_path / "metrics"
-    path.mkdir() if kind == "folder" else path.write_text("name,loss\nrun1,0.5\n")
+    if kind == "folder":
+        path.mkdir()
+    else:  # another program's file; a last line without its newline is not a torn record either
+        path.write_text("name,loss\nrun1,0.5\n" if kind == "not json" else '{"model": "tiny", "seed": 1}')
     run = launch([*TINY, "--max-steps", "1", "--metrics-file", str(path), "--output-dir", str(tmp_path / "out")])
     assert_one_clear_error(run, f"--metrics-file {path} is not a", None)
     assert run.returncode == 2
@@ -138,7 +141,9 @@ def test_a_metrics_file_that_is_not_one_is_refused(kind, tmp_path):
     "env, expected",
     [({"RANK": "3", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}, "inconsistent"),
      ({"RANK": "0", "WORLD_SIZE": "2"}, "MASTER_ADDR or MASTER_PORT is not"),
-     ({"RANK": "0"}, "incomplete or not integers")],
+     ({"RANK": "0"}, "incomplete or not integers"),
+     ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"},
+      "inconsistent")],
 )  # fmt: skip
 def test_rank_variables_set_wrongly_without_torchrun_are_refused(env, expected):
     run = launch([*TINY, "--max-steps", "1"], env=child_env(env))

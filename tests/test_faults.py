@@ -387,3 +387,40 @@ def test_the_launchers_copy_is_recognised_even_while_a_long_computation_runs():
     run = run_cmd([sys.executable, "-c", code], timeout=60)
     assert run.returncode == 0, run.output
     assert "still running" in run.stdout and "stopping at once" not in run.stderr
+
+
+def test_a_restart_continues_from_the_newest_checkpoint_even_after_resume_path(uninterrupted, tmp_path):
+    # --resume PATH chose the first attempt's start. Going back there after a crash would throw
+    # away everything trained since (and set those checkpoints aside as abandoned).
+    out = tmp_path / "copy"
+    shutil.copytree(uninterrupted, out)
+    (out / "tiny_transformer.pt").unlink()
+    args = [*RUN, "--output-dir", str(out), "--resume", str(out / "checkpoints" / "step_00000080"),
+            "--save-every", "10", "--inject-fault", "1:105"]  # fmt: skip
+    run = run_cmd(torchrun_cmd(2, args, ["--standalone", "--max-restarts=1"]), timeout=180)
+    assert_ok(run)
+    assert "torchrun restarted the job: --resume" in run.stdout and "step_00000100 (step 100" in run.stdout
+    assert_bitwise_equal(weights(uninterrupted), weights(out))
+
+
+def test_the_stop_marker_holds_only_for_restarts_of_the_same_launch(tmp_path, monkeypatch):
+    import llm_ddp_parallel_training as t
+
+    cfg = t.parse_args([*TINY, "--output-dir", str(tmp_path)])
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's default --rdzv-id: the same every launch
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    t.write_stop_marker(cfg, 20, "SIGTERM")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert t.stopped_in_an_earlier_attempt(cfg), "a restart of the stopped launch stays stopped"
+    marker = tmp_path / t.STOP_MARKER
+    marker.write_text(marker.read_text().replace(f":{os.getppid()}", ":1"))  # another agent: another launch
+    assert not t.stopped_in_an_earlier_attempt(cfg)
+    assert not marker.exists(), "a new launch clears the marker and resumes"
+
+
+def test_an_older_checkpoint_without_the_newer_settings_still_resumes(capsys):
+    import llm_ddp_parallel_training as t
+
+    now = {"lr": 0.5, "seed": 1337}
+    t.check_same_run({"settings": {"seed": 1337}}, now, Path("step_00000040"))
+    assert "does not record lr: taking this command's values" in capsys.readouterr().out

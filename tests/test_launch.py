@@ -71,3 +71,24 @@ def test_the_tiny_path_never_imports_transformers_or_peft(tmp_path):
     run = run_cmd([sys.executable, "-c", code], timeout=60)
     assert_ok(run)
     assert "IMPORTED []" in run.stdout
+
+
+MEETING_PROBE = """
+import sys, time
+import llm_ddp_parallel_training as t
+
+cfg = t.parse_args(sys.argv[1:])
+d = t.setup_distributed(cfg)
+time.sleep(4 if d.rank == 1 else 0)  # rank 1's "download" outlasts --timeout-s 1
+problem = t.meet_without_deadline(d, "probe", "")
+print(f"rank {d.rank} met, problem {problem!r}", flush=True)
+t.teardown_distributed()
+"""
+
+
+def test_waiting_for_a_download_has_no_collective_deadline(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(MEETING_PROBE)
+    run = run_cmd(torchrun_cmd(2, [*TINY, "--timeout-s", "1"], script=probe), timeout=60)
+    assert_ok(run)
+    assert "rank 0 met, problem ''" in run.stdout and "rank 1 met, problem ''" in run.stdout
