@@ -1686,7 +1686,6 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None) -> TrainR
         print_in_rank_order(d, describe_shards(d, sampler))
 
     settings = run_settings(cfg, d, kit) if d.is_main else {}  # what a checkpoint must match to resume
-
     saved_step = progress.step if resume else None  # the step whose state is on disk
 
     def save_state() -> None:
