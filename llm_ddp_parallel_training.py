@@ -2213,8 +2213,9 @@ def read_metrics_records(path: Path) -> list[tuple[int, bytes]]:
         if not line.strip():
             continue
         step = metrics_record_step(line)
-        if step is None and number > len(complete) and line.startswith(METRICS_RECORD_START):
-            continue  # the torn last write
+        torn = line.startswith(METRICS_RECORD_START) or METRICS_RECORD_START.startswith(line)
+        if step is None and number > len(complete) and torn:
+            continue  # the last write, cut off (anywhere, even inside its opening)
         if step is None:
             raise UsageError(
                 f"--metrics-file {path} is not a metrics file (line {number} is not a JSON record with a step); "

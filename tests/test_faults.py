@@ -307,11 +307,12 @@ def test_a_full_disk_under_the_metrics_file_ends_every_rank_with_one_line(tmp_pa
     assert not (tmp_path / "tiny_transformer.pt").exists()
 
 
-def test_resume_tolerates_a_torn_last_metrics_line(tmp_path):
+@pytest.mark.parametrize("torn", [b'{"st', b'{"step": 4, "lo'])
+def test_resume_tolerates_a_torn_last_metrics_line(tmp_path, torn):
     import llm_ddp_parallel_training as t
 
     metrics = tmp_path / "m.jsonl"
-    metrics.write_bytes(b"".join(json.dumps({"step": s, "loss": 1.0}).encode() + b"\n" for s in (1, 2, 3)) + b'{"st')
+    metrics.write_bytes(b"".join(json.dumps({"step": s, "loss": 1.0}).encode() + b"\n" for s in (1, 2, 3)) + torn)
     t.prepare_metrics_file(t.parse_args([*TINY, "--metrics-file", str(metrics)]), start_step=2)
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2]
 
