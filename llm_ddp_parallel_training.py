@@ -5,7 +5,8 @@ One file, read top to bottom, follows one training run:
     1. Settings      the command line becomes one frozen RunConfig
     2. Launch        torchrun starts one process per rank; each reads its rank from the environment
     3. Connect       the ranks join a process group (NCCL on Linux GPUs, Gloo on CPU)
-    4. Shard         a DistributedSampler hands every rank a disjoint slice of each epoch
+    4. Shard         text or chat records become examples; a DistributedSampler hands every rank
+                     a disjoint slice of each epoch
     5. Models        a byte-level Transformer from scratch, or Qwen2.5 with LoRA adapters
     6. Sync          DDP all-reduces the gradients during backward (torch's, or one from scratch)
     7. Check         replicas verified identical (--verify-sync); the learner's report (--inspect)
@@ -24,9 +25,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import hashlib
 import io
+import itertools
 import json
 import math
 import os
@@ -87,6 +90,9 @@ class RunConfig:
     seed: int
     seq_len: int
     pack: bool
+    data_format: str
+    train_on_prompt: bool
+    show_examples: int
     # tiny model shape
     d_model: int
     n_heads: int
@@ -241,7 +247,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
         "--corpus-file",
         type=Path,
         default=DEFAULT_CORPUS,
-        help="UTF-8 text, one training sample per line; blank lines are skipped",
+        help="UTF-8 text, one training sample per line (blank lines skipped), or .jsonl records",
     )
     g.add_argument("--output-dir", type=Path, default=Path("outputs"), help="where rank 0 writes")
     g.add_argument(
@@ -254,6 +260,25 @@ def build_arg_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="tiny: pack lines into full windows (no padding); --no-pack: one padded line per example",
+    )
+
+    g.add_argument(
+        "--data-format",
+        choices=DATA_FORMATS,
+        default="auto",
+        help="for a .jsonl corpus: the records' schema (auto: decided from the records)",
+    )
+    g.add_argument(
+        "--train-on-prompt",
+        action="store_true",
+        help="chat and prompt-completion data: train on every token, not only the replies",
+    )
+    g.add_argument(
+        "--show-examples",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="print the first N records as the model sees them, targets in [[ ]], and exit",
     )
 
     g = p.add_argument_group("tiny model")
@@ -595,12 +620,40 @@ def log(d: Dist, message: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# 4. Shard: corpus lines -> fixed-length examples -> a DistributedSampler slice per rank
+# 4. Shard: corpus lines or records -> fixed-length examples -> a DistributedSampler slice per rank
 # ----------------------------------------------------------------------------------------------
 
 
 def read_corpus_lines(path: Path) -> list[str]:
     """One training sample per line; blank lines are skipped."""
+    lines = [line.strip() for line in read_text_file(path).split("\n")]
+    lines = [line for line in lines if line]
+    if not lines:
+        raise UsageError(f"corpus file has no non-blank lines: {path}")
+    return lines
+
+
+# The corpus file: a .txt file holds one text sample per line; a .jsonl file holds one JSON
+# record per line, in one of the schemas fine-tuning users bring (TRL's, ShareGPT, Alpaca).
+# Every record becomes text, a conversation, or a prompt with its completion.
+
+DATA_FORMATS = ("auto", "text", "messages", "prompt-completion", "sharegpt", "alpaca")
+CHAT_FORMATS = ("messages", "sharegpt", "alpaca")  # all three become a conversation
+ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant"}
+
+
+@dataclass(frozen=True)
+class Record:
+    """One training sample as the file gives it: exactly one of the three shapes is set."""
+
+    text: str | None = None
+    messages: tuple[tuple[str, str], ...] | None = None  # (role, content) turns
+    prompt: str | None = None
+    completion: str | None = None
+
+
+def read_text_file(path: Path) -> str:
     if not path.exists():
         raise UsageError(f"corpus file not found: {path}")
     if not path.is_file():
@@ -608,16 +661,102 @@ def read_corpus_lines(path: Path) -> list[str]:
     try:
         # utf-8-sig drops a byte-order mark (Windows editors add one): trained on, it would be
         # three bytes of noise at the start of the first line.
-        text = path.read_bytes().decode("utf-8-sig")
+        return path.read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise UsageError(f"corpus file is not valid UTF-8: {path} (bad byte at offset {e.start})") from None
     except OSError as e:
         raise UsageError(f"cannot read corpus file {path}: {e.strerror}") from None
-    lines = [line.strip() for line in text.split("\n")]
-    lines = [line for line in lines if line]
-    if not lines:
-        raise UsageError(f"corpus file has no non-blank lines: {path}")
-    return lines
+
+
+def read_records(path: Path, data_format: str) -> tuple[list[Record], str]:
+    """The corpus file's records and their format. Any bad record ends the run, naming its line."""
+    if path.suffix != ".jsonl":
+        if data_format not in ("auto", "text"):
+            raise UsageError(f"--data-format {data_format} needs a .jsonl file; {path} is read as text lines")
+        return [Record(text=line) for line in read_corpus_lines(path)], "text"
+    records, first = [], None
+    for number, line in enumerate(read_text_file(path).split("\n"), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            raise UsageError(f"{where}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict):
+            raise UsageError(f"{where}: a record must be a JSON object, got {type(obj).__name__}")
+        fmt = detect_format(obj, where) if data_format == "auto" else data_format
+        record = parse_record(obj, fmt, where)
+        if first is None:
+            first = (fmt, number)
+        elif fmt != first[0]:
+            raise UsageError(
+                f"{where}: a {fmt} record, but line {first[1]} is {first[0]}: one file holds one format "
+                "(or name it with --data-format)"
+            )
+        records.append(record)
+    if not records:
+        raise UsageError(f"corpus file has no records: {path}")
+    return records, first[0]
+
+
+def detect_format(obj: dict, where: str) -> str:
+    for fmt, keys in (
+        ("messages", ("messages",)),
+        ("sharegpt", ("conversations",)),
+        ("prompt-completion", ("prompt", "completion")),
+        ("alpaca", ("instruction", "output")),
+        ("text", ("text",)),
+    ):
+        if any(k in obj for k in keys):
+            return fmt
+    raise UsageError(
+        f"{where}: no known fields ({', '.join(sorted(obj)) or 'none'}): expected text, messages, "
+        "prompt + completion, conversations, or instruction + output"
+    )
+
+
+def parse_record(obj: dict, fmt: str, where: str) -> Record:
+    def string(key: str, holder: dict = obj, optional: bool = False) -> str | None:
+        value = holder.get(key)
+        if value is None and optional:
+            return None
+        if not isinstance(value, str):
+            what = "missing" if value is None else f"a {type(value).__name__}, not a string"
+            raise UsageError(f"{where}: field '{key}' is {what}")
+        return value
+
+    if fmt == "text":
+        return Record(text=string("text"))
+    if fmt == "prompt-completion":
+        return Record(prompt=string("prompt"), completion=string("completion"))
+    if fmt == "alpaca":
+        request = string("instruction") + (f"\n\n{extra}" if (extra := string("input", optional=True)) else "")
+        system = string("system", optional=True)
+        turns = ([("system", system)] if system else []) + [("user", request), ("assistant", string("output"))]
+        return Record(messages=tuple(turns))
+    key, role_key, content_key, roles = {
+        "messages": ("messages", "role", "content", {r: r for r in ROLES}),
+        "sharegpt": ("conversations", "from", "value", SHAREGPT_ROLES),
+    }[fmt]
+    turns = obj.get(key)
+    if not isinstance(turns, list) or not turns:
+        raise UsageError(f"{where}: field '{key}' must be a non-empty list of turns")
+    parsed = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            raise UsageError(f"{where}: each of '{key}' must be an object with '{role_key}' and '{content_key}'")
+        role = string(role_key, turn)
+        if role not in roles:
+            raise UsageError(f"{where}: unknown role '{role}' (expected one of {', '.join(roles)})")
+        parsed.append((roles[role], string(content_key, turn)))
+    if not any(role == "assistant" for role, _ in parsed):
+        raise UsageError(f"{where}: the conversation has no assistant turn: nothing to train on")
+    return Record(messages=tuple(parsed))
+
+
+def describe_records(fmt: str) -> str:
+    return "lines" if fmt == "text" else f"{fmt} records"
 
 
 @dataclass(frozen=True)
@@ -704,32 +843,180 @@ def encode_lines_as_bytes(lines: list[str], seq_len: int, pack: bool) -> Example
     return Examples(inputs, targets, (targets != IGNORE_INDEX).sum(dim=1))
 
 
-def encode_lines_with_tokenizer(lines: list[str], tokenizer: PreTrainedTokenizerBase, seq_len: int) -> Examples:
-    """Pretrained-model examples: [start] + tokens(line) + [eos], truncated to seq_len + 1 tokens.
+@dataclass(frozen=True)
+class TokenSequence:
+    """One record as the model sees it: token ids, and which of them are targets."""
 
-    The start token (the tokenizer's BOS, or its EOS where there is no BOS, as in Qwen) lets
-    the model predict the line's first token; the EOS at the end teaches it to stop. Targets
-    are masked by *position* (beyond each line's real length), never by token id: Qwen's pad
-    token may equal its EOS, and masking by id would also hide every real EOS from the loss,
-    teaching the model never to stop.
+    ids: list[int]
+    is_target: list[bool]  # is_target[j]: token j is predicted (from token j-1) and counts in the loss
+    truncated: bool = False
+
+
+def tokenize_record(
+    record: Record, tokenizer: PreTrainedTokenizerBase, train_on_prompt: bool, masking: ChatMasking | None
+) -> TokenSequence:
+    """Text: [start] + text + [eos], every token a target. The start token (BOS, or EOS where
+    there is none, as in Qwen) lets the model predict the first token; the EOS teaches it to stop.
+    Prompt + completion: prompt + completion + [eos], targets the completion and the EOS.
+    Conversation: the chat template's rendering, targets each assistant reply and the token that
+    closes its turn (see chat_segments). --train-on-prompt makes every token a target."""
+    encode = functools.partial(tokenizer.encode, add_special_tokens=False)
+    eos = tokenizer.eos_token_id
+    if record.text is not None:
+        start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos
+        ids = [start, *encode(record.text), eos]
+        return TokenSequence(ids, [False] + [True] * (len(ids) - 1))
+    if record.prompt is not None:
+        prompt, completion = encode(record.prompt), [*encode(record.completion), eos]
+        return TokenSequence(prompt + completion, [train_on_prompt] * len(prompt) + [True] * len(completion))
+    ids, is_target = [], []
+    for text, target in chat_segments(record.messages, tokenizer, masking):
+        piece = encode(text)
+        ids += piece
+        is_target += [target or train_on_prompt] * len(piece)
+    return TokenSequence(ids, is_target)
+
+
+@dataclass(frozen=True)
+class ChatMasking:
+    """How to find assistant replies in the tokenizer's chat template (checked once per run)."""
+
+    end_tokens: tuple[str, ...]  # special tokens that may close a turn, longest first
+
+
+def chat_masking(tokenizer: PreTrainedTokenizerBase) -> ChatMasking:
+    if not getattr(tokenizer, "chat_template", None):
+        raise UsageError("chat records need a chat template, and this model's tokenizer has none")
+    specials = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+    return ChatMasking(tuple(sorted(specials, key=len, reverse=True)))
+
+
+def chat_segments(
+    turns: tuple[tuple[str, str], ...], tokenizer: PreTrainedTokenizerBase, masking: ChatMasking
+) -> list[tuple[str, bool]]:
+    """The conversation rendered by the tokenizer's own chat template, cut into (text, is_target).
+
+    Targets are each assistant reply and the special token that closes its turn (Qwen's
+    <|im_end|>): a model that never learned to emit it never stops. The mask comes from the
+    template itself, not from {% generation %} markers (Qwen2.5's stock template has none, and
+    transformers' return_assistant_tokens_mask is then all zeros, transformers#34172): render
+    the conversation up to reply i with the generation prompt, then through reply i, and the
+    reply is what the second adds. A template for which that does not hold is refused.
     """
-    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-    token_lists = tokenizer(lines, add_special_tokens=False)["input_ids"]
-    inputs = torch.full((len(lines), seq_len), tokenizer.pad_token_id, dtype=torch.long)
-    targets = torch.full((len(lines), seq_len), IGNORE_INDEX, dtype=torch.long)
-    target_bytes = torch.zeros(len(lines), dtype=torch.long)
-    for i, ids in enumerate(token_lists):
-        seq = torch.tensor([start, *ids, tokenizer.eos_token_id][: seq_len + 1])
-        inputs[i, : len(seq) - 1] = seq[:-1]
-        targets[i, : len(seq) - 1] = seq[1:]
-        kept = ids[: len(seq) - 1]  # the line's tokens that survived truncation
-        ended = len(seq) - 1 > len(ids)  # the EOS target: the line's end, one byte like "\n"
-        target_bytes[i] = len(tokenizer.decode(kept).encode("utf-8")) + int(ended)
-    return Examples(inputs, targets, target_bytes)
+    messages = [{"role": role, "content": content} for role, content in turns]
+
+    def render(upto: int, generation_prompt: bool) -> str:
+        return tokenizer.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=generation_prompt)
+
+    def refuse(why: str) -> UsageError:
+        return UsageError(f"the chat template cannot be masked for assistant-only loss ({why}); "
+                          "use --train-on-prompt to train on every token")  # fmt: skip
+
+    full, segments, done = render(len(messages), False), [], 0
+    for i, (role, content) in enumerate(turns):
+        if role != "assistant":
+            continue
+        before, through = render(i, True), render(i + 1, False)
+        start, end = len(before), len(before) + len(content)
+        if not (full.startswith(through) and through.startswith(before) and through[start:end] == content):
+            raise refuse("rendering a conversation one more turn does not just append that turn")
+        close = next((t for t in masking.end_tokens if through.startswith(t, end)), None)
+        if close is None:
+            raise refuse("no special token closes an assistant turn")
+        segments += [(full[done:start], False), (full[start : end + len(close)], True)]
+        done = end + len(close)
+    segments.append((full[done:], False))
+    return [(text, target) for text, target in segments if text]
 
 
-def split_lines(lines: list[str], val_fraction: float, seed: int) -> tuple[list[str], list[str]]:
-    """Hold out a fraction of the lines for validation: the same lines on every rank.
+def turn_closing_token(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The token id that closes an assistant turn in this chat template (Qwen: <|im_end|>)."""
+    probe = chat_segments((("user", "?"), ("assistant", "!")), tokenizer, chat_masking(tokenizer))
+    reply = next(text for text, target in probe if target)
+    return tokenizer.convert_tokens_to_ids(reply.removeprefix("!"))
+
+
+def encode_records_with_tokenizer(
+    records: list[Record], tokenizer: PreTrainedTokenizerBase, seq_len: int, train_on_prompt: bool = False
+) -> tuple[Examples, dict[str, int]]:
+    """Pretrained-model examples: each record's tokens, cut to its first seq_len + 1.
+
+    A record cut so short that no target is left is dropped: it would train on nothing (and a
+    step of nothing but such records would divide by zero). Targets are masked by *position*,
+    never by token id: Qwen's pad token may equal its EOS, and masking by id would also hide
+    every real EOS from the loss, teaching the model never to stop.
+    """
+    masking = chat_masking(tokenizer) if any(r.messages for r in records) else None
+    kept, counts = [], {"records": len(records), "truncated": 0, "dropped": 0}
+    for sample in records:
+        seq = tokenize_record(sample, tokenizer, train_on_prompt, masking)
+        if len(seq.ids) > seq_len + 1:
+            seq = TokenSequence(seq.ids[: seq_len + 1], seq.is_target[: seq_len + 1], truncated=True)
+            counts["truncated"] += 1
+        if not any(seq.is_target[1:]):
+            counts["dropped"] += 1
+            continue
+        kept.append(seq)
+    if not kept:
+        raise UsageError(f"no record keeps a target token within --seq-len {seq_len}: raise --seq-len")
+    inputs = torch.full((len(kept), seq_len), tokenizer.pad_token_id or 0, dtype=torch.long)
+    targets = torch.full((len(kept), seq_len), IGNORE_INDEX, dtype=torch.long)
+    target_bytes = torch.zeros(len(kept), dtype=torch.long)
+    for i, seq in enumerate(kept):
+        ids = torch.tensor(seq.ids)
+        inputs[i, : len(ids) - 1] = ids[:-1]
+        targets[i, : len(ids) - 1] = torch.where(torch.tensor(seq.is_target[1:]), ids[1:], IGNORE_INDEX)
+        target_bytes[i] = count_target_bytes(seq, tokenizer)
+    return Examples(inputs, targets, target_bytes), counts
+
+
+def count_target_bytes(seq: TokenSequence, tokenizer: PreTrainedTokenizerBase) -> int:
+    """UTF-8 bytes of the text the targets spell out; a special token (EOS, end of turn) counts
+    as one byte, like the byte model's newline."""
+    special = set(tokenizer.all_special_ids)
+    targets = [t for t, target in zip(seq.ids[1:], seq.is_target[1:], strict=True) if target]
+    text = tokenizer.decode([t for t in targets if t not in special])
+    return len(text.encode("utf-8")) + sum(t in special for t in targets)
+
+
+def encode_lines_with_tokenizer(lines: list[str], tokenizer: PreTrainedTokenizerBase, seq_len: int) -> Examples:
+    """Text lines as pretrained-model examples (see encode_records_with_tokenizer)."""
+    return encode_records_with_tokenizer([Record(text=line) for line in lines], tokenizer, seq_len)[0]
+
+
+def show_examples(cfg: RunConfig, d: Dist, records: list[Record]) -> None:
+    """--show-examples: the first records as the model will see them, each target run in [[ ]].
+
+    What to check before spending GPU hours: the template's rendering, that the replies (and
+    the token that ends each turn) are targets and nothing else is, and what truncation keeps.
+    """
+    if cfg.model == "qwen":
+        tokenizer = load_tokenizer(cfg, resolve_model_files(cfg, d))
+        masking = chat_masking(tokenizer) if any(r.messages for r in records) else None
+        sequences = [tokenize_record(r, tokenizer, cfg.train_on_prompt, masking) for r in records]
+
+        def decode(ids: list[int]) -> str:
+            return tokenizer.decode(ids, skip_special_tokens=False)
+    else:
+        framed = [b"\n" + r.text.encode("utf-8") + b"\n" for r in records]
+        sequences = [TokenSequence(list(b), [False] + [True] * (len(b) - 1)) for b in framed]
+
+        def decode(ids: list[int]) -> str:
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    if not d.is_main:
+        return
+    for number, seq in enumerate(sequences, 1):
+        ids, is_target = seq.ids[: cfg.seq_len + 1], [False, *seq.is_target[1 : cfg.seq_len + 1]]
+        note = f", cut from {len(seq.ids)} to --seq-len {cfg.seq_len} + 1" if len(seq.ids) > len(ids) else ""
+        note += "; dropped: no target left" if not any(is_target) else ""
+        say(f"--- example {number}: {len(ids)} tokens, {sum(is_target)} targets{note}")
+        runs = [list(run) for _, run in itertools.groupby(zip(ids, is_target, strict=True), key=lambda p: p[1])]
+        say("".join(f"[[{decode([i for i, _ in run])}]]" if run[0][1] else decode([i for i, _ in run]) for run in runs))
+
+
+def split_lines(lines: list, val_fraction: float, seed: int) -> tuple[list, list]:
+    """Hold out a fraction of the lines (or records) for validation: the same ones on every rank.
 
     The split comes from a generator seeded by --seed alone (not by the rank), so all ranks
     agree on it without talking; a rank-dependent split would leak held-out lines into
@@ -913,6 +1200,7 @@ class ModelKit:
     final_label: str  # ... and what that is, for the log
     flops_per_token: float  # training FLOPs per token, for MFU
     describe: str
+    data_report: str = ""  # what became of the records on the way to examples
 
 
 def tiny_parameter_count(c: TinyConfig) -> int:
@@ -975,7 +1263,7 @@ def build_tiny_kit(cfg: RunConfig, d: Dist, lines: list[str], val_lines: list[st
     )
 
 
-def build_qwen_kit(cfg: RunConfig, d: Dist, lines: list[str], val_lines: list[str]) -> ModelKit:
+def build_qwen_kit(cfg: RunConfig, d: Dist, records: list[Record], val_records: list[Record]) -> ModelKit:
     """A pretrained causal LM (Qwen2.5 by default) with LoRA adapters; only the adapters train."""
     from peft import LoraConfig, get_peft_model  # imported here: the tiny path never pays for it
 
@@ -1022,22 +1310,42 @@ def build_qwen_kit(cfg: RunConfig, d: Dist, lines: list[str], val_lines: list[st
             tokenizer.save_pretrained(tmp)
         return path
 
+    chat = any(r.messages for r in records)
+
     @torch.no_grad()
     def sample(raw: nn.Module, prompt: str) -> str:
-        ids = torch.tensor([[start, *tokenizer(prompt, add_special_tokens=False)["input_ids"]]], device=d.device)
+        """Continue --prompt; after chat training, answer it: a user turn through the chat template,
+        stopping at the end of the assistant's turn."""
+        if chat:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                 add_generation_prompt=True)  # fmt: skip
+            prefix, stop = tokenizer.encode(text, add_special_tokens=False), [tokenizer.eos_token_id, end_of_turn]
+        else:
+            prefix, stop = [start, *tokenizer.encode(prompt, add_special_tokens=False)], [tokenizer.eos_token_id]
+        ids = torch.tensor([prefix], device=d.device)
         out = raw.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
             max_new_tokens=cfg.sample_tokens,
             do_sample=False,
             pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=stop,
         )
-        return prompt + tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+        reply = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+        return f"{prompt} -> {reply}" if chat else prompt + reply
+
+    end_of_turn = turn_closing_token(tokenizer) if chat else None
+    train, counts = encode_records_with_tokenizer(records, tokenizer, cfg.seq_len, cfg.train_on_prompt)
+    val = (
+        encode_records_with_tokenizer(val_records, tokenizer, cfg.seq_len, cfg.train_on_prompt)[0]
+        if val_records
+        else None
+    )
 
     return ModelKit(
         model=model,
-        train=encode_lines_with_tokenizer(lines, tokenizer, cfg.seq_len),
-        val=encode_lines_with_tokenizer(val_lines, tokenizer, cfg.seq_len) if val_lines else None,
+        train=train,
+        val=val,
         # No attention mask: padding sits on the right, and causal attention never lets a real
         # token look right, so the pads cannot change any real position's output.
         forward=lambda m, ids: m(input_ids=ids, use_cache=False).logits,
@@ -1054,6 +1362,8 @@ def build_qwen_kit(cfg: RunConfig, d: Dist, lines: list[str], val_lines: list[st
         describe=f"{cfg.model_name_or_path} ({dtype}) + LoRA r={cfg.lora_r} alpha={cfg.lora_alpha:g} on "
         f"{','.join(cfg.lora_targets)}: {trainable:,} trainable of {total:,} parameters "
         f"({100 * trainable / total:.3f}%)",
+        data_report=f"{counts['truncated']} cut to --seq-len {cfg.seq_len}, "
+        f"{counts['dropped']} dropped with no target token left",
     )
 
 
@@ -1113,21 +1423,31 @@ def fetch_model_files(cfg: RunConfig) -> Path:
         ) from None
 
 
+def load_tokenizer(cfg: RunConfig, folder: Path) -> PreTrainedTokenizerBase:
+    import transformers
+
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError, ImportError) as e:
+        raise UsageError(f"cannot load model from {folder}: {first_line(e)}") from None
+    if not tokenizer("a", add_special_tokens=False)["input_ids"]:
+        raise UsageError(f"cannot load model from {folder}: its tokenizer encodes text to nothing (files missing?)")
+    return tokenizer
+
+
 def load_pretrained(cfg: RunConfig, d: Dist, dtype: torch.dtype) -> tuple[PreTrainedTokenizerBase, nn.Module]:
     """Tokenizer and model from a local folder (see resolve_model_files), onto this rank's device."""
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # one bar per rank is noise, not news
     folder = resolve_model_files(cfg, d)
+    tokenizer = load_tokenizer(cfg, folder)
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code)
         model = transformers.AutoModelForCausalLM.from_pretrained(
             folder, dtype=dtype, attn_implementation="sdpa", trust_remote_code=cfg.trust_remote_code
         )
     except (OSError, ValueError, ImportError) as e:
         raise UsageError(f"cannot load model from {folder}: {first_line(e)}") from None
-    if not tokenizer("a", add_special_tokens=False)["input_ids"]:
-        raise UsageError(f"cannot load model from {folder}: its tokenizer encodes text to nothing (files missing?)")
     return tokenizer, model
 
 
@@ -2652,13 +2972,23 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
         raise SystemExit(EXIT_STOPPED)
     if d.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = cfg.tf32  # fp32 matmuls on tensor cores: ~10 bits of mantissa
-    lines, val_lines = split_lines(read_corpus_lines(cfg.corpus_file), cfg.val_fraction, cfg.seed)
-    kit = (build_qwen_kit if cfg.model == "qwen" else build_tiny_kit)(cfg, d, lines, val_lines)
+    records, fmt = read_records(cfg.corpus_file, cfg.data_format)
+    if cfg.model == "tiny" and fmt != "text":
+        raise UsageError(f"{cfg.corpus_file} holds {fmt} records; the tiny byte model trains on text: use --model qwen")
+    if cfg.show_examples:
+        show_examples(cfg, d, records[: cfg.show_examples])
+        return
+    train_records, val_records = split_lines(records, cfg.val_fraction, cfg.seed)
+    if cfg.model == "qwen":
+        kit = build_qwen_kit(cfg, d, train_records, val_records)
+    else:
+        kit = build_tiny_kit(cfg, d, [r.text for r in train_records], [r.text for r in val_records])
     seed_dropout_per_rank(cfg, d)
     log(
         d,
-        f"[data] {cfg.corpus_file}: {len(lines)} training lines -> {len(kit.train)} examples of {cfg.seq_len} tokens; "
-        f"{len(val_lines)} lines held out for validation",
+        f"[data] {cfg.corpus_file}: {len(train_records)} training {describe_records(fmt)} -> {len(kit.train)} "
+        f"examples of {cfg.seq_len} tokens{'; ' + kit.data_report if kit.data_report else ''}; "
+        f"{len(val_records)} held out for validation",
     )
     log(d, f"[model] {kit.describe}")
 

@@ -17,6 +17,71 @@ import torch
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
+# Qwen2.5-Instruct's chat template, as its tokenizer_config.json ships it (tool calls included):
+# ChatML turns, a default system prompt when none is given, and no {% generation %} markers.
+QWEN25_CHAT_TEMPLATE = (
+    "{%- if tools %}\n"
+    "    {{- '<|im_start|>system\\n' }}\n"
+    "    {%- if messages[0]['role'] == 'system' %}\n"
+    "        {{- messages[0]['content'] }}\n"
+    "    {%- else %}\n"
+    "        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}\n"
+    "    {%- endif %}\n"
+    '    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n'
+    'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}\n'
+    "    {%- for tool in tools %}\n"
+    '        {{- "\\n" }}\n'
+    "        {{- tool | tojson }}\n"
+    "    {%- endfor %}\n"
+    '    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments '
+    'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": '
+    '<args-json-object>}\\n</tool_call><|im_end|>\\n" }}\n'
+    "{%- else %}\n"
+    "    {%- if messages[0]['role'] == 'system' %}\n"
+    "        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n"
+    "    {%- else %}\n"
+    "        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+    "<|im_end|>\\n' }}\n"
+    "    {%- endif %}\n"
+    "{%- endif %}\n"
+    "{%- for message in messages %}\n"
+    '    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or '
+    '(message.role == "assistant" and not message.tool_calls) %}\n'
+    "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n"
+    '    {%- elif message.role == "assistant" %}\n'
+    "        {{- '<|im_start|>' + message.role }}\n"
+    "        {%- if message.content %}\n"
+    "            {{- '\\n' + message.content }}\n"
+    "        {%- endif %}\n"
+    "        {%- for tool_call in message.tool_calls %}\n"
+    "            {%- if tool_call.function is defined %}\n"
+    "                {%- set tool_call = tool_call.function %}\n"
+    "            {%- endif %}\n"
+    '            {{- \'\\n<tool_call>\\n{"name": "\' }}\n'
+    "            {{- tool_call.name }}\n"
+    '            {{- \'", "arguments": \' }}\n'
+    "            {{- tool_call.arguments | tojson }}\n"
+    "            {{- '}\\n</tool_call>' }}\n"
+    "        {%- endfor %}\n"
+    "        {{- '<|im_end|>\\n' }}\n"
+    '    {%- elif message.role == "tool" %}\n'
+    '        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}\n'
+    "            {{- '<|im_start|>user' }}\n"
+    "        {%- endif %}\n"
+    "        {{- '\\n<tool_response>\\n' }}\n"
+    "        {{- message.content }}\n"
+    "        {{- '\\n</tool_response>' }}\n"
+    '        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}\n'
+    "            {{- '<|im_end|>\\n' }}\n"
+    "        {%- endif %}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "    {{- '<|im_start|>assistant\\n' }}\n"
+    "{%- endif %}\n"
+)
+
+
 def build_tiny_qwen(out_dir: Path, lines: list[str], vocab_size: int = 400, seed: int = 0, **config: object) -> Path:
     """Save a random Qwen2ForCausalLM and its tokenizer in out_dir. `config` overrides the tiny
     shape (the GPU benchmark passes Qwen2.5-0.5B's exact configuration)."""
@@ -51,6 +116,7 @@ def build_tiny_qwen(out_dir: Path, lines: list[str], vocab_size: int = 400, seed
         extra_special_tokens=["<|im_start|>", "<|im_end|>"],
         model_max_length=512,
     )
+    tokenizer.chat_template = QWEN25_CHAT_TEMPLATE
     tokenizer.save_pretrained(out_dir)
 
     eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")

@@ -1,0 +1,183 @@
+"""Chat data for the Qwen path: the JSONL schemas users bring, assistant-only targets derived from
+the chat template itself, truncation, --show-examples, and DDP training on conversations."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import re
+
+import pytest
+import torch
+from conftest import TINY, assert_ok, launch, run_cmd, torchrun_cmd
+from test_qwen_lora import qwen_args, saved_adapter
+
+import llm_ddp_parallel_training as t
+
+REPLIES = [{"role": "user", "content": "Who sums the gradients?"},
+           {"role": "assistant", "content": "Every rank, in the all-reduce."},
+           {"role": "user", "content": "And then?"},
+           {"role": "assistant", "content": "Each divides by the world size."}]  # fmt: skip
+
+
+def write_jsonl(path, records) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def chat_file(tmp_path_factory, corpus_lines) -> str:
+    """One conversation per corpus line: the user says its first half, the assistant its second."""
+    records = []
+    for i, line in enumerate(corpus_lines):
+        words = line.split()
+        half = max(1, len(words) // 2)
+        turns = [{"role": "user", "content": " ".join(words[:half])},
+                 {"role": "assistant", "content": " ".join(words[half:]) or "Yes."}]  # fmt: skip
+        records.append({"messages": [{"role": "system", "content": "Be brief."}, *turns] if i % 3 else turns})
+    return write_jsonl(tmp_path_factory.mktemp("chat") / "chat.jsonl", records)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_qwen):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_qwen)
+
+
+@pytest.mark.parametrize(
+    "record, expected",
+    [({"text": "a line"}, t.Record(text="a line")),
+     ({"messages": REPLIES[:2]}, t.Record(messages=(("user", "Who sums the gradients?"),
+                                                    ("assistant", "Every rank, in the all-reduce.")))),
+     ({"prompt": "2 + 2 =", "completion": " 4"}, t.Record(prompt="2 + 2 =", completion=" 4")),
+     ({"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
+                         {"from": "gpt", "value": "Hello"}]},
+      t.Record(messages=(("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello")))),
+     ({"instruction": "Add", "input": "2 and 2", "output": "4"},
+      t.Record(messages=(("user", "Add\n\n2 and 2"), ("assistant", "4")))),
+     ({"instruction": "Say hi", "output": "Hi"}, t.Record(messages=(("user", "Say hi"), ("assistant", "Hi"))))],
+)  # fmt: skip
+def test_every_jsonl_schema_becomes_text_a_conversation_or_a_prompt_with_completion(tmp_path, record, expected):
+    records, _ = t.read_records(t.Path(write_jsonl(tmp_path / "one.jsonl", [record])), "auto")
+    assert records == [expected]
+
+
+@pytest.mark.parametrize(
+    "line, expected",
+    [('{"messages": [{"role": "user", "content": "Hi"}', "not valid JSON"),
+     ('{"prompt": "Hi"}', "field 'completion' is missing"),
+     ('{"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}]}',
+      "field 'content' is a int, not a string"),
+     ('{"messages": [{"role": "wizard", "content": "Hi"}]}', "unknown role 'wizard'"),
+     ('{"messages": [{"role": "system", "content": "Hi"}, {"role": "user", "content": "Hi"}]}',
+      "no assistant turn"),
+     ('{"conversations": [{"from": "bot", "value": "Hi"}]}', "unknown role 'bot'"),
+     ('["a", "list"]', "must be a JSON object"),
+     ('{"title": "x"}', "no known fields (title)"),
+     ('{"text": "a line"}', "a text record, but line 1 is messages")],
+)  # fmt: skip
+def test_a_bad_record_is_named_by_file_and_line(tmp_path, line, expected):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"messages": REPLIES}) + "\n\n" + line + "\n")
+    with pytest.raises(t.UsageError, match=re.escape(f"{path}:3: ") + ".*" + re.escape(expected)):
+        t.read_records(path, "auto")
+
+
+def test_a_bad_record_ends_every_rank_with_one_line_before_training(tiny_qwen, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"messages": REPLIES}) + "\n" + '{"messages": "oops"}\n')
+    run = launch(qwen_args(tiny_qwen, tmp_path, "--corpus-file", str(path)), nproc=2)
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert run.returncode != 0 and "exitcode  : 2" in run.stderr
+    assert len(errors) == 1 and f"{path}:2: field 'messages' must be a non-empty list" in errors[0], run.stderr
+    assert "step " not in run.stdout
+
+
+def test_the_tiny_byte_model_refuses_chat_records(chat_file, tmp_path):
+    run = launch([*TINY, "--corpus-file", chat_file, "--output-dir", str(tmp_path)])
+    assert run.returncode == 2 and "holds messages records; the tiny byte model trains on text" in run.stderr
+
+
+def test_the_stock_qwen_template_has_no_generation_markers_so_transformers_masks_nothing(tokenizer):
+    # The trap this script avoids (transformers#34172): return_assistant_tokens_mask needs
+    # {% generation %} markers, which Qwen2.5's template lacks, and then it marks nothing.
+    assert "{% generation %}" not in tokenizer.chat_template and "{%- generation" not in tokenizer.chat_template
+    out = tokenizer.apply_chat_template(REPLIES, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert not any(out["assistant_masks"])
+
+
+def test_targets_are_each_reply_and_the_token_that_ends_its_turn(tokenizer):
+    seq = t.tokenize_record(t.Record(messages=tuple((m["role"], m["content"]) for m in REPLIES)), tokenizer,
+                            False, t.chat_masking(tokenizer))  # fmt: skip
+    pairs = zip(seq.ids, seq.is_target, strict=True)
+    runs = [tokenizer.decode([i for i, _ in run]) for target, run in itertools.groupby(pairs, lambda p: p[1]) if target]
+    assert runs == ["Every rank, in the all-reduce.<|im_end|>", "Each divides by the world size.<|im_end|>"]
+    assert tokenizer.decode(seq.ids).startswith("<|im_start|>system\nYou are Qwen")  # the template's default
+
+
+def test_a_template_that_cannot_be_masked_is_refused(tokenizer):
+    shouting = tokenizer.chat_template.replace(
+        "message.content + '<|im_end|>'", "message.content | upper + '<|im_end|>'"
+    )
+    assert shouting != tokenizer.chat_template
+    tokenizer_copy = copy.deepcopy(tokenizer)
+    tokenizer_copy.chat_template = shouting
+    with pytest.raises(t.UsageError, match=r"chat template cannot be masked.*--train-on-prompt"):
+        t.chat_segments(
+            tuple((m["role"], m["content"]) for m in REPLIES), tokenizer_copy, t.chat_masking(tokenizer_copy)
+        )
+
+
+def test_prompt_completion_targets_the_completion_and_the_eos(tokenizer):
+    seq = t.tokenize_record(t.Record(prompt="the gradient", completion=" is averaged"), tokenizer, False, None)
+    targets = [i for i, target in zip(seq.ids, seq.is_target, strict=True) if target]
+    assert tokenizer.decode(targets) == " is averaged<|endoftext|>"
+    everything = t.tokenize_record(t.Record(prompt="the gradient", completion=" is averaged"), tokenizer, True, None)
+    assert all(everything.is_target)
+
+
+def test_truncation_keeps_the_start_and_drops_records_left_without_a_target(tokenizer):
+    replies = t.Record(messages=tuple((m["role"], m["content"]) for m in REPLIES))
+    question = t.Record(messages=(("user", "why " * 80), ("assistant", "Because.")))
+    whole = t.tokenize_record(replies, tokenizer, False, t.chat_masking(tokenizer))
+    seq_len = len(whole.ids) - 5  # cuts into the second reply; the long question loses its answer
+    examples, counts = t.encode_records_with_tokenizer([replies, question], tokenizer, seq_len)
+    assert counts == {"records": 2, "truncated": 2, "dropped": 1} and len(examples) == 1
+    assert examples.inputs[0].tolist() == whole.ids[:seq_len], "a cut record keeps its start"
+    kept_targets = int((examples.targets[0] != t.IGNORE_INDEX).sum())
+    assert 0 < kept_targets < sum(whole.is_target)
+    with pytest.raises(t.UsageError, match="no record keeps a target token within --seq-len 8"):
+        t.encode_records_with_tokenizer([replies, question], tokenizer, seq_len=8)
+
+
+def test_show_examples_prints_records_in_file_order_with_targets_bracketed(tiny_qwen, tmp_path):
+    path = write_jsonl(tmp_path / "c.jsonl", [{"messages": REPLIES}, {"messages": REPLIES[:2]}])
+    run = launch(qwen_args(tiny_qwen, tmp_path, "--corpus-file", path, "--seq-len", "256", "--show-examples", "1"))
+    assert_ok(run)
+    assert run.stdout.count("--- example ") == 1 and "--- example 1: " in run.stdout
+    body = run.stdout.split("--- example 1: ")[1]
+    assert re.findall(r"\[\[(.*?)\]\]", body, re.S) == [
+        "Every rank, in the all-reduce.<|im_end|>", "Each divides by the world size.<|im_end|>"]  # fmt: skip
+    assert "<|im_start|>user\nWho sums the gradients?<|im_end|>" in body
+    assert not (tmp_path / "qwen_lora").exists(), "--show-examples trains nothing"
+
+
+def test_two_ranks_train_on_conversations_and_the_sample_is_a_reply(tiny_qwen, chat_file, tmp_path):
+    run = launch(qwen_args(tiny_qwen, tmp_path, "--corpus-file", chat_file, "--seq-len", "96", "--max-steps", "6",
+                           "--log-every", "1", "--verify-sync", "1"), nproc=2)  # fmt: skip
+    assert_ok(run)
+    assert re.search(r"training messages records -> \d+ examples of 96 tokens; \d+ cut to --seq-len 96", run.stdout)
+    assert "[sample] Each rank -> " in run.stdout
+
+
+def test_chat_training_resumes_bit_exactly_after_a_killed_worker(tiny_qwen, chat_file, tmp_path):
+    flags = ["--corpus-file", chat_file, "--seq-len", "96", "--max-steps", "6", "--save-every", "2"]
+    assert_ok(launch(qwen_args(tiny_qwen, tmp_path / "whole", *flags), nproc=2))
+    faulted = qwen_args(tiny_qwen, tmp_path / "faulted", *flags, "--inject-fault", "0:5")
+    run = run_cmd(torchrun_cmd(2, faulted, ["--standalone", "--max-restarts=1"]), timeout=240)
+    assert_ok(run)
+    assert "step_00000004 (step 4" in run.stdout
+    whole, resumed = saved_adapter(tmp_path / "whole")[1], saved_adapter(tmp_path / "faulted")[1]
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
