@@ -1035,6 +1035,16 @@ def split_lines(lines: list, val_fraction: float, seed: int) -> tuple[list, list
     return train, val
 
 
+def trim_padding(batch: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack a batch, then cut the columns after its last target: a batch is padded only as far
+    as its longest example needs. Padding sits on the right, and causal attention never lets a
+    real position look right, so the cut changes no output that counts; it only saves compute."""
+    inputs, targets = torch.stack([x for x, _ in batch]), torch.stack([y for _, y in batch])
+    used = (targets != IGNORE_INDEX).any(dim=0).nonzero()
+    width = int(used.max()) + 1 if len(used) else targets.shape[1]
+    return inputs[:, :width].contiguous(), targets[:, :width].contiguous()
+
+
 def make_train_loader(
     dataset: Examples | ShiftingWindows, cfg: RunConfig, d: Dist
 ) -> tuple[DataLoader, DistributedSampler]:
@@ -1057,6 +1067,7 @@ def make_train_loader(
         batch_size=cfg.batch_size,
         sampler=sampler,
         drop_last=True,  # equal batch counts on every rank, so no rank waits in an all-reduce alone
+        collate_fn=trim_padding,
         pin_memory=d.device.type == "cuda",
         # Each iter(loader) draws a seed for its workers. From the global RNG, that draw would
         # shift the dropout stream, and a resumed run (which starts its epoch's iterator where
@@ -1994,7 +2005,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None) -> TrainR
     batch = global_batch(cfg, d)
     steps_per_epoch = len(loader) // k
     log(d, f"[run] {d.world_size} rank(s) x {cfg.batch_size} examples x {k} micro-step(s) = global batch {batch}")
-    log(d, f"[run] up to {batch * cfg.seq_len:,} token positions per step (padding excluded from the loss)")
+    log(d, f"[run] up to {batch * cfg.seq_len:,} token positions per step (a batch is padded to its longest example)")
     log(d, f"[run] {len(sampler)} examples per rank per epoch = {steps_per_epoch} steps per epoch")
     log(
         d,
@@ -2204,9 +2215,9 @@ def evaluate(cfg: RunConfig, d: Dist, kit: ModelKit, precision: str) -> dict[str
     loss_sum = tokens = nbytes = 0.0
     mine = torch.arange(d.rank, len(val), d.world_size)
     for chunk in mine.split(cfg.batch_size):
-        targets = val.targets[chunk].to(d.device)
+        inputs, targets = (t.to(d.device) for t in trim_padding([val[i] for i in chunk.tolist()]))
         with autocast_for(precision, d):
-            loss_sum += token_loss_sum(kit.forward(model, val.inputs[chunk].to(d.device)), targets).item()
+            loss_sum += token_loss_sum(kit.forward(model, inputs), targets).item()
         tokens += int((targets != IGNORE_INDEX).sum())
         nbytes += int(val.target_bytes[chunk].sum())
     model.train()

@@ -181,3 +181,28 @@ def test_chat_training_resumes_bit_exactly_after_a_killed_worker(tiny_qwen, chat
     assert "step_00000004 (step 4" in run.stdout
     whole, resumed = saved_adapter(tmp_path / "whole")[1], saved_adapter(tmp_path / "faulted")[1]
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
+def test_a_batch_is_padded_only_to_its_longest_example(tokenizer):
+    records = [t.Record(text="short"), t.Record(text="a somewhat longer line of text here")]
+    examples, _ = t.encode_records_with_tokenizer(records, tokenizer, seq_len=64)
+    inputs, targets = t.trim_padding([examples[0], examples[1]])
+    longest = int((examples.targets != t.IGNORE_INDEX).sum(dim=1).max())
+    assert inputs.shape == targets.shape == (2, longest) and longest < 64
+
+
+def test_padding_never_changes_a_real_positions_output(tiny_qwen, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen, attn_implementation="sdpa").eval()
+    records = [t.Record(messages=tuple((m["role"], m["content"]) for m in REPLIES[:2])), t.Record(text="x " * 150)]
+    examples, _ = t.encode_records_with_tokenizer(records, tokenizer, seq_len=256)
+    inputs, _ = t.trim_padding([examples[0], examples[1]])
+    real = int((examples.targets[0] != t.IGNORE_INDEX).nonzero().max()) + 1
+    assert real < inputs.shape[1], "the conversation is padded in this batch"
+    with torch.no_grad():
+        alone = model(input_ids=examples.inputs[:1, :real]).logits[0]
+        padded = model(input_ids=inputs).logits[0, :real]
+    difference = (alone - padded).abs().max().item()
+    print(f"padded vs alone: max |logit difference| = {difference:.3g}")
+    assert difference <= 1e-5
