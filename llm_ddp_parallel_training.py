@@ -110,6 +110,7 @@ class RunConfig:
     # optimisation
     batch_size: int
     max_steps: int
+    epochs: int
     lr: float
     min_lr: float
     warmup_steps: int
@@ -307,6 +308,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("optimisation")
     g.add_argument("--batch-size", type=_positive_int, default=16, help="examples per rank per step")
     g.add_argument("--max-steps", type=_positive_int, default=500, help="optimizer steps, across epochs")
+    g.add_argument(
+        "--epochs",
+        type=_non_negative_int,
+        default=0,
+        help="passes over the training data; --max-steps still caps (0: --max-steps alone decides)",
+    )
     g.add_argument(
         "--lr", type=_positive_float, default=None, help="peak learning rate (default: 3e-3 tiny, 2e-4 qwen)"
     )
@@ -2995,6 +3002,7 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
     else:
         kit = build_tiny_kit(cfg, d, [r.text for r in train_records], [r.text for r in val_records])
     seed_dropout_per_rank(cfg, d)
+    cfg = steps_for_epochs(cfg, d, kit)
     log(
         d,
         f"[data] {cfg.corpus_file}: {len(train_records)} training {describe_records(fmt)} -> {len(kit.train)} "
@@ -3030,6 +3038,21 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
         if cfg.metrics_file:
             outputs.append(cfg.metrics_file)
         print_summary(cfg, d, result, time.perf_counter() - started, outputs, memory)
+
+
+def steps_for_epochs(cfg: RunConfig, d: Dist, kit: ModelKit) -> RunConfig:
+    """--epochs E: the run's length in steps, known once the data is built; --max-steps still caps.
+
+    Settled before anything reads cfg.max_steps, so the schedule spans the run's real length.
+    """
+    if not cfg.epochs:
+        return cfg
+    # What the loader will give: the sampler's drop_last shard, whole batches, whole steps.
+    per_epoch = len(kit.train) // d.world_size // cfg.batch_size // cfg.grad_accum_steps
+    steps = min(cfg.max_steps, cfg.epochs * per_epoch)
+    capped = f", capped by --max-steps {cfg.max_steps}" if steps < cfg.epochs * per_epoch else ""
+    log(d, f"[run] --epochs {cfg.epochs} x {per_epoch} steps per epoch = {steps} steps{capped}")
+    return replace(cfg, max_steps=steps)
 
 
 def seed_dropout_per_rank(cfg: RunConfig, d: Dist) -> None:

@@ -178,3 +178,19 @@ def test_a_terminal_gets_a_progress_bar_and_a_pipe_gets_log_lines(tmp_path, repo
 def test_mfu_peaks_match_the_gpu_name_exactly(name, peak):
     # By substring "L4" would match an L40, and "H100" would give the PCIe part the SXM's peak.
     assert t.gpu_peak_flops(name) == peak
+
+
+def test_epochs_set_the_runs_length_and_the_schedule_spans_it(tmp_path):
+    # 493 packed windows: 246 per rank, 61 steps of 4 per epoch on 2 ranks.
+    metrics = tmp_path / "m.jsonl"
+    args = [*TINY, "--epochs", "2", "--log-every", "1", "--warmup-steps", "5", "--lr", str(LR), "--min-lr",
+            str(MIN_LR), "--metrics-file", str(metrics), "--output-dir", str(tmp_path)]  # fmt: skip
+    run = launch(args, nproc=2)
+    assert_ok(run)
+    assert "--epochs 2 x 61 steps per epoch = 122 steps" in run.stdout
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert records[-1]["step"] == 122 and records[-1]["epoch"] == 1
+    assert records[-1]["lr"] == pytest.approx(MIN_LR)
+    capped = launch([*TINY, "--epochs", "2", "--max-steps", "3", "--output-dir", str(tmp_path / "capped")], nproc=2)
+    assert_ok(capped)
+    assert "= 3 steps, capped by --max-steps 3" in capped.stdout
