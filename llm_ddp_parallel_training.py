@@ -259,8 +259,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--pack",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="tiny: pack lines into full windows (no padding); --no-pack: one padded line per example",
+        default=None,
+        help="pack examples into full rows (default: on for tiny, off for qwen); --no-pack: one padded example per row",
     )
 
     g.add_argument(
@@ -424,6 +424,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> RunConfig:
     args = build_arg_parser().parse_args(argv)
+    if args.pack is None:  # byte windows cut anywhere; Qwen packs whole examples, kept apart, when asked
+        args.pack = args.model == "tiny"
     if args.lr is None:  # adapters on a pretrained model want a far gentler step than a model from scratch
         args.lr = 2e-4 if args.model == "qwen" else 3e-3
     if args.min_lr is None:
@@ -775,18 +777,23 @@ class Examples(Dataset):
     # (N,) int64: UTF-8 bytes of text the targets spell out (a line's end counts as one byte).
     # Loss per byte compares models whose tokens differ: a byte-level model and Qwen's BPE.
     target_bytes: torch.Tensor
+    # (N, T) int64 for packed rows: each example's positions restart at 0 (see pack_sequences)
+    positions: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.inputs.shape[0]
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.inputs[i], self.targets[i]
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        if self.positions is None:
+            return self.inputs[i], self.targets[i]
+        return self.inputs[i], self.targets[i], self.positions[i]
 
     def set_epoch(self, epoch: int) -> None:
         """Fixed examples: only the sampler's order changes between epochs."""
 
     def digest(self) -> str:
-        return hashlib.sha256(self.inputs.numpy().tobytes() + self.targets.numpy().tobytes()).hexdigest()
+        tensors = [self.inputs, self.targets] + ([self.positions] if self.positions is not None else [])
+        return hashlib.sha256(b"".join(t.numpy().tobytes() for t in tensors)).hexdigest()
 
 
 def packed_stream(lines: list[str]) -> bytes:
@@ -944,7 +951,11 @@ def turn_closing_token(tokenizer: PreTrainedTokenizerBase) -> int:
 
 
 def encode_records_with_tokenizer(
-    records: list[Record], tokenizer: PreTrainedTokenizerBase, seq_len: int, train_on_prompt: bool = False
+    records: list[Record],
+    tokenizer: PreTrainedTokenizerBase,
+    seq_len: int,
+    train_on_prompt: bool = False,
+    pack: bool = False,
 ) -> tuple[Examples, dict[str, int]]:
     """Pretrained-model examples: each record's tokens, cut to its first seq_len + 1.
 
@@ -966,15 +977,36 @@ def encode_records_with_tokenizer(
         kept.append(seq)
     if not kept:
         raise UsageError(f"no record keeps a target token within --seq-len {seq_len}: raise --seq-len")
-    inputs = torch.full((len(kept), seq_len), tokenizer.pad_token_id or 0, dtype=torch.long)
-    targets = torch.full((len(kept), seq_len), IGNORE_INDEX, dtype=torch.long)
-    target_bytes = torch.zeros(len(kept), dtype=torch.long)
-    for i, seq in enumerate(kept):
-        ids = torch.tensor(seq.ids)
-        inputs[i, : len(ids) - 1] = ids[:-1]
-        targets[i, : len(ids) - 1] = torch.where(torch.tensor(seq.is_target[1:]), ids[1:], IGNORE_INDEX)
-        target_bytes[i] = count_target_bytes(seq, tokenizer)
-    return Examples(inputs, targets, target_bytes), counts
+    rows = pack_rows(kept, seq_len) if pack else [[seq] for seq in kept]
+    inputs = torch.full((len(rows), seq_len), tokenizer.pad_token_id or 0, dtype=torch.long)
+    targets = torch.full((len(rows), seq_len), IGNORE_INDEX, dtype=torch.long)
+    positions = torch.zeros((len(rows), seq_len), dtype=torch.long)
+    target_bytes = torch.zeros(len(rows), dtype=torch.long)
+    for r, row in enumerate(rows):
+        at = 0
+        for seq in row:  # each example keeps its own inputs, targets and positions: nothing crosses over
+            ids, n = torch.tensor(seq.ids), len(seq.ids) - 1
+            inputs[r, at : at + n] = ids[:-1]
+            targets[r, at : at + n] = torch.where(torch.tensor(seq.is_target[1:]), ids[1:], IGNORE_INDEX)
+            positions[r, at : at + n] = torch.arange(n)
+            target_bytes[r] += count_target_bytes(seq, tokenizer)
+            at += n
+        positions[r, at:] = torch.arange(seq_len - at)  # the padded tail: a "sequence" of its own
+    return Examples(inputs, targets, target_bytes, positions if pack else None), counts
+
+
+def pack_rows(sequences: list[TokenSequence], seq_len: int) -> list[list[TokenSequence]]:
+    """--pack: fill rows of seq_len positions with whole examples, in order (a new row when the
+    next one does not fit), so little compute goes to padding."""
+    rows: list[list[TokenSequence]] = []
+    free = 0
+    for seq in sequences:
+        if len(seq.ids) - 1 > free:
+            rows.append([])
+            free = seq_len
+        rows[-1].append(seq)
+        free -= len(seq.ids) - 1
+    return rows
 
 
 def count_target_bytes(seq: TokenSequence, tokenizer: PreTrainedTokenizerBase) -> int:
@@ -1042,14 +1074,15 @@ def split_lines(lines: list, val_fraction: float, seed: int) -> tuple[list, list
     return train, val
 
 
-def trim_padding(batch: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack a batch, then cut the columns after its last target: a batch is padded only as far
-    as its longest example needs. Padding sits on the right, and causal attention never lets a
-    real position look right, so the cut changes no output that counts; it only saves compute."""
-    inputs, targets = torch.stack([x for x, _ in batch]), torch.stack([y for _, y in batch])
-    used = (targets != IGNORE_INDEX).any(dim=0).nonzero()
-    width = int(used.max()) + 1 if len(used) else targets.shape[1]
-    return inputs[:, :width].contiguous(), targets[:, :width].contiguous()
+def trim_padding(batch: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """Stack a batch (inputs, targets[, positions]), then cut the columns after its last target:
+    a batch is padded only as far as its longest example needs. Padding sits on the right, and
+    causal attention never lets a real position look right, so the cut changes no output that
+    counts; it only saves compute."""
+    columns = [torch.stack(column) for column in zip(*batch, strict=True)]
+    used = (columns[1] != IGNORE_INDEX).any(dim=0).nonzero()
+    width = int(used.max()) + 1 if len(used) else columns[1].shape[1]
+    return tuple(c[:, :width].contiguous() for c in columns)
 
 
 def make_train_loader(
@@ -1211,7 +1244,7 @@ class ModelKit:
     model: nn.Module  # the plain model; DDP wraps it later
     train: Examples | ShiftingWindows
     val: Examples | None  # held-out lines (--val-fraction), fixed windows; None when there are none
-    forward: Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (model, ids) -> logits
+    forward: Callable[..., torch.Tensor]  # (model, ids[, positions]) -> logits
     sample: Callable[[nn.Module, str], str]  # (unwrapped model, prompt) -> text
     save_final: Callable[[nn.Module, int], Path]  # (unwrapped model, step) -> path written
     final_name: str  # what save_final writes inside OUTPUT_DIR
@@ -1353,7 +1386,7 @@ def build_qwen_kit(cfg: RunConfig, d: Dist, records: list[Record], val_records: 
         return f"{prompt} -> {reply}" if chat else prompt + reply
 
     end_of_turn = turn_closing_token(tokenizer) if chat else None
-    train, counts = encode_records_with_tokenizer(records, tokenizer, cfg.seq_len, cfg.train_on_prompt)
+    train, counts = encode_records_with_tokenizer(records, tokenizer, cfg.seq_len, cfg.train_on_prompt, cfg.pack)
     val = (
         encode_records_with_tokenizer(val_records, tokenizer, cfg.seq_len, cfg.train_on_prompt)[0]
         if val_records
@@ -1365,8 +1398,10 @@ def build_qwen_kit(cfg: RunConfig, d: Dist, records: list[Record], val_records: 
         train=train,
         val=val,
         # No attention mask: padding sits on the right, and causal attention never lets a real
-        # token look right, so the pads cannot change any real position's output.
-        forward=lambda m, ids: m(input_ids=ids, use_cache=False).logits,
+        # token look right, so the pads cannot change any real position's output. Packed rows
+        # pass position_ids that restart at 0 for each example: with no mask, transformers then
+        # builds a block-diagonal causal mask from them, so no example attends to another.
+        forward=lambda m, ids, positions=None: m(input_ids=ids, position_ids=positions, use_cache=False).logits,
         sample=sample,
         save_final=save_final,
         final_name=QWEN_FINAL,
@@ -2047,7 +2082,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None) -> TrainR
             crash_on_purpose(fault, d, step)
         cpu_batches = next(stream)
         # Count target tokens while the batch is still on the CPU: on a GPU it would be a sync.
-        micro_tokens = [int((targets != IGNORE_INDEX).sum()) for _, targets in cpu_batches]
+        micro_tokens = [int((batch[1] != IGNORE_INDEX).sum()) for batch in cpu_batches]
         micro_batches = [tuple(t.to(d.device, non_blocking=True) for t in batch) for batch in cpu_batches]
         timer.mark("data")
         # One small all-reduce before any backward carries the facts every rank must share: the
@@ -2069,12 +2104,12 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None) -> TrainR
             group["lr"] = lr
 
         loss_sum = torch.zeros((), device=d.device)
-        for i, (inputs, targets) in enumerate(micro_batches):
+        for i, (inputs, targets, *positions) in enumerate(micro_batches):
             # The first k-1 micro-steps run forward *and* backward inside no_sync(): gradients
             # accumulate in .grad with no communication; the last one all-reduces the sum.
             with no_sync(model) if i < k - 1 else contextlib.nullcontext():
                 with autocast_for(precision, d):
-                    micro_loss = token_loss_sum(kit.forward(model, inputs), targets)
+                    micro_loss = token_loss_sum(kit.forward(model, inputs, *positions), targets)
                 if fault == "nan":
                     micro_loss = micro_loss * float("nan")
                 timer.mark("forward")
@@ -2222,9 +2257,9 @@ def evaluate(cfg: RunConfig, d: Dist, kit: ModelKit, precision: str) -> dict[str
     loss_sum = tokens = nbytes = 0.0
     mine = torch.arange(d.rank, len(val), d.world_size)
     for chunk in mine.split(cfg.batch_size):
-        inputs, targets = (t.to(d.device) for t in trim_padding([val[i] for i in chunk.tolist()]))
+        inputs, targets, *positions = (t.to(d.device) for t in trim_padding([val[i] for i in chunk.tolist()]))
         with autocast_for(precision, d):
-            loss_sum += token_loss_sum(kit.forward(model, inputs), targets).item()
+            loss_sum += token_loss_sum(kit.forward(model, inputs, *positions), targets).item()
         tokens += int((targets != IGNORE_INDEX).sum())
         nbytes += int(val.target_bytes[chunk].sum())
     model.train()

@@ -172,8 +172,9 @@ def test_two_ranks_train_on_conversations_and_the_sample_is_a_reply(tiny_qwen, c
     assert "[sample] Each rank -> " in run.stdout
 
 
-def test_chat_training_resumes_bit_exactly_after_a_killed_worker(tiny_qwen, chat_file, tmp_path):
-    flags = ["--corpus-file", chat_file, "--seq-len", "96", "--max-steps", "6", "--save-every", "2"]
+def test_packed_chat_training_resumes_bit_exactly_after_a_killed_worker(tiny_qwen, chat_file, tmp_path):
+    flags = ["--corpus-file", chat_file, "--seq-len", "256", "--pack", "--max-steps", "6", "--save-every", "2",
+             "--verify-sync", "1"]  # fmt: skip
     assert_ok(launch(qwen_args(tiny_qwen, tmp_path / "whole", *flags), nproc=2))
     faulted = qwen_args(tiny_qwen, tmp_path / "faulted", *flags, "--inject-fault", "0:5")
     run = run_cmd(torchrun_cmd(2, faulted, ["--standalone", "--max-restarts=1"]), timeout=240)
@@ -206,3 +207,31 @@ def test_padding_never_changes_a_real_positions_output(tiny_qwen, tokenizer):
     difference = (alone - padded).abs().max().item()
     print(f"padded vs alone: max |logit difference| = {difference:.3g}")
     assert difference <= 1e-5
+
+
+def test_a_packed_example_gives_the_same_logits_as_alone_and_keeps_its_own_targets(tiny_qwen, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen, attn_implementation="sdpa").eval()
+    records = [t.Record(messages=tuple((m["role"], m["content"]) for m in REPLIES[:k])) for k in (2, 4)]
+    records += [t.Record(prompt="the ranks", completion=" agree"), t.Record(text="every gradient, averaged")]
+    alone, _ = t.encode_records_with_tokenizer(records, tokenizer, seq_len=256)
+    packed, _ = t.encode_records_with_tokenizer(records, tokenizer, seq_len=256, pack=True)
+    assert len(packed) == 1, "all four fit one row"
+    starts = (packed.positions[0] == 0).nonzero().flatten().tolist()
+    with torch.no_grad():
+        row = model(input_ids=packed.inputs, position_ids=packed.positions, use_cache=False).logits[0]
+        worst = 0.0
+        for i, at in enumerate(starts[: len(records)]):
+            n = int((alone.targets[i] != t.IGNORE_INDEX).nonzero().max()) + 1
+            # The row holds this example's own inputs and targets: no target crosses a boundary.
+            assert torch.equal(packed.inputs[0, at : at + n], alone.inputs[i, :n])
+            assert torch.equal(packed.targets[0, at : at + n], alone.targets[i, :n])
+            own = model(input_ids=alone.inputs[i : i + 1, :n]).logits[0]
+            worst = max(worst, (row[at : at + n] - own).abs().max().item())
+    print(f"packed vs alone: max |logit difference| = {worst:.3g}")
+    assert worst <= 1e-5
+    # Without position_ids the examples would attend to each other: the test can tell.
+    with torch.no_grad():
+        leaky = model(input_ids=packed.inputs, use_cache=False).logits[0]
+    assert (leaky[starts[1] : starts[2]] - row[starts[1] : starts[2]]).abs().max().item() > 1e-3
