@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from tqdm import tqdm
 
@@ -1244,7 +1245,8 @@ class ModelKit:
     model: nn.Module  # the plain model; DDP wraps it later
     train: Examples | ShiftingWindows
     val: Examples | None  # held-out lines (--val-fraction), fixed windows; None when there are none
-    forward: Callable[..., torch.Tensor]  # (model, ids[, positions]) -> logits
+    # (module, inputs, targets[, positions]) -> the sum of the target tokens' losses
+    loss: Callable[..., torch.Tensor]
     sample: Callable[[nn.Module, str], str]  # (unwrapped model, prompt) -> text
     save_final: Callable[[nn.Module, int], Path]  # (unwrapped model, step) -> path written
     final_name: str  # what save_final writes inside OUTPUT_DIR
@@ -1252,6 +1254,11 @@ class ModelKit:
     flops_per_token: float  # training FLOPs per token, for MFU
     describe: str
     data_report: str = ""  # what became of the records on the way to examples
+    loss_module: nn.Module | None = None  # what DDP wraps and `loss` runs, if not the model itself
+
+    @property
+    def trained(self) -> nn.Module:
+        return self.loss_module or self.model
 
 
 def tiny_parameter_count(c: TinyConfig) -> int:
@@ -1303,7 +1310,7 @@ def build_tiny_kit(cfg: RunConfig, d: Dist, lines: list[str], val_lines: list[st
         if cfg.pack
         else encode_lines_as_bytes(lines, cfg.seq_len, False),
         val=encode_lines_as_bytes(val_lines, cfg.seq_len, cfg.pack) if val_lines else None,
-        forward=lambda m, ids: m(ids),
+        loss=lambda m, ids, targets: token_loss_sum(m(ids), targets),
         sample=lambda raw, prompt: generate_bytes(raw, prompt, cfg.sample_tokens, cfg.seed),
         save_final=save_final,
         final_name=TINY_FINAL,
@@ -1397,11 +1404,8 @@ def build_qwen_kit(cfg: RunConfig, d: Dist, records: list[Record], val_records: 
         model=model,
         train=train,
         val=val,
-        # No attention mask: padding sits on the right, and causal attention never lets a real
-        # token look right, so the pads cannot change any real position's output. Packed rows
-        # pass position_ids that restart at 0 for each example: with no mask, transformers then
-        # builds a block-diagonal causal mask from them, so no example attends to another.
-        forward=lambda m, ids, positions=None: m(input_ids=ids, position_ids=positions, use_cache=False).logits,
+        loss_module=LeanHeadLoss(model),
+        loss=lambda m, ids, targets, positions=None: m(ids, targets, positions),
         sample=sample,
         save_final=save_final,
         final_name=QWEN_FINAL,
@@ -1424,6 +1428,42 @@ def gpu_computes_bf16() -> bool:
     # Not torch's default answer, which counts GPUs that only emulate bf16 (pre-Ampere, such
     # as a T4 or V100): there bf16 runs slower than fp32 and auto must not pick it.
     return torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+class LeanHeadLoss(nn.Module):
+    """A causal LM whose forward returns the loss sum, computed without full logits.
+
+    Logits for every position of a 151,936-token vocabulary dwarf everything else a LoRA step
+    holds (1.2 GB in fp32 for 2,048 tokens, and as much again for their gradient). Here the
+    head runs only at target positions, in chunks, each under activation checkpointing: backward
+    recomputes one chunk's logits at a time, so at most one chunk's logits and gradient exist.
+    Pure PyTorch, CPU and GPU. DDP wraps this module, so its hooks see every trainable gradient
+    exactly as they would through the model's own forward.
+
+    No attention mask and no cache: padding sits on the right behind causal attention, and for
+    packed rows transformers builds a block-diagonal causal mask from position_ids restarting at
+    0, which it does only when neither is given.
+    """
+
+    CHUNK = 1024  # target tokens per head chunk: 1024 x 151,936 fp32 logits = 622 MB
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm  # the PEFT model; its body and head are looked up, not registered twice
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        causal_lm = self.lm.get_base_model()
+        body, head = getattr(causal_lm, causal_lm.base_model_prefix), causal_lm.get_output_embeddings()
+        hidden = body(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
+        keep = targets != IGNORE_INDEX
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for h, y in zip(hidden[keep].split(self.CHUNK), targets[keep].split(self.CHUNK), strict=True):
+            total = total + checkpoint(head_loss_sum, head, h, y, use_reentrant=False)
+        return total
+
+
+def head_loss_sum(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head(hidden).float(), targets, reduction="sum")
 
 
 def choose_weights_dtype(cfg: RunConfig, d: Dist) -> torch.dtype:
@@ -1819,7 +1859,7 @@ def describe_local_gradient(stats: CommStats, named_params: list[tuple[str, nn.P
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Sum of next-token cross-entropy over the real (non-padding) targets."""
     return F.cross_entropy(
-        logits.float().view(-1, logits.shape[-1]), targets.view(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
 
 
@@ -2037,7 +2077,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None) -> TrainR
     named_params = [(n, p) for n, p in kit.model.named_parameters() if p.requires_grad]
     params = [p for _, p in named_params]
     stats = CommStats(named_params, compress=cfg.grad_compression == "bf16")
-    model = wrap_data_parallel(kit.model, cfg, d, stats)
+    model = wrap_data_parallel(kit.trained, cfg, d, stats)
     optimizer = make_optimizer(cfg, params)
     precision = choose_precision(cfg, d)
     # fp16 needs loss scaling: small gradients would underflow to zero. bf16 has fp32's range.
@@ -2109,7 +2149,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None) -> TrainR
             # accumulate in .grad with no communication; the last one all-reduces the sum.
             with no_sync(model) if i < k - 1 else contextlib.nullcontext():
                 with autocast_for(precision, d):
-                    micro_loss = token_loss_sum(kit.forward(model, inputs, *positions), targets)
+                    micro_loss = kit.loss(model, inputs, targets, *positions)
                 if fault == "nan":
                     micro_loss = micro_loss * float("nan")
                 timer.mark("forward")
@@ -2252,14 +2292,14 @@ def evaluate(cfg: RunConfig, d: Dist, kit: ModelKit, precision: str) -> dict[str
     collective, so shards of unequal size cannot leave a rank waiting. One all-reduce then
     sums loss, tokens and bytes.
     """
-    val, model = kit.val, kit.model
+    val, model = kit.val, kit.trained
     model.eval()
     loss_sum = tokens = nbytes = 0.0
     mine = torch.arange(d.rank, len(val), d.world_size)
     for chunk in mine.split(cfg.batch_size):
         inputs, targets, *positions = (t.to(d.device) for t in trim_padding([val[i] for i in chunk.tolist()]))
         with autocast_for(precision, d):
-            loss_sum += token_loss_sum(kit.forward(model, inputs, *positions), targets).item()
+            loss_sum += kit.loss(model, inputs, targets, *positions).item()
         tokens += int((targets != IGNORE_INDEX).sum())
         nbytes += int(val.target_bytes[chunk].sum())
     model.train()

@@ -235,3 +235,25 @@ def test_a_packed_example_gives_the_same_logits_as_alone_and_keeps_its_own_targe
     with torch.no_grad():
         leaky = model(input_ids=packed.inputs, use_cache=False).logits[0]
     assert (leaky[starts[1] : starts[2]] - row[starts[1] : starts[2]]).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_the_lean_head_gives_the_full_logits_loss_and_gradients(tiny_qwen, chat_file, tmp_path, monkeypatch, pack):
+    # Chunks of 7 target tokens, so every batch crosses several chunk boundaries.
+    monkeypatch.setattr(t.LeanHeadLoss, "CHUNK", 7)
+    cfg = t.parse_args(qwen_args(tiny_qwen, tmp_path, "--seq-len", "128", *(["--pack"] if pack else [])))
+    d = t.setup_distributed(cfg)  # one plain process
+    records, _ = t.read_records(t.Path(chat_file), "auto")
+    kit = t.build_qwen_kit(cfg, d, records[:24], [])
+    kit.model.eval()  # LoRA dropout off: both paths must see the same network
+    inputs, targets, *positions = t.trim_padding([kit.train[i] for i in range(4)])
+    params = [p for p in kit.model.parameters() if p.requires_grad]
+    lean = kit.loss(kit.trained, inputs, targets, *positions)
+    lean_grads = torch.autograd.grad(lean, params)
+    logits = kit.model(input_ids=inputs, position_ids=positions[0] if positions else None, use_cache=False).logits
+    full = t.token_loss_sum(logits, targets)
+    full_grads = torch.autograd.grad(full, params)
+    assert lean.item() == pytest.approx(full.item(), rel=1e-5)
+    worst = max(((a - b).norm() / b.norm()).item() for a, b in zip(lean_grads, full_grads, strict=True) if b.norm() > 0)
+    print(f"lean head vs full logits: loss {lean.item():.6f} vs {full.item():.6f}, worst relative gradient {worst:.2g}")
+    assert worst <= 1e-5
