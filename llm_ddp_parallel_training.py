@@ -308,7 +308,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("optimisation")
     g.add_argument("--batch-size", type=_positive_int, default=16, help="examples per rank per step")
-    g.add_argument("--max-steps", type=_positive_int, default=500, help="optimizer steps, across epochs")
+    g.add_argument(
+        "--max-steps",
+        type=_positive_int,
+        default=None,
+        help="optimizer steps, across epochs (default: 500, or no cap when --epochs is given)",
+    )
     g.add_argument(
         "--epochs",
         type=_non_negative_int,
@@ -425,6 +430,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> RunConfig:
     args = build_arg_parser().parse_args(argv)
+    if args.max_steps is None:  # 0: no cap, for --epochs to decide (see steps_for_epochs)
+        args.max_steps = 0 if args.epochs else 500
     if args.pack is None:  # byte windows cut anywhere; Qwen packs whole examples, kept apart, when asked
         args.pack = args.model == "tiny"
     if args.lr is None:  # adapters on a pretrained model want a far gentler step than a model from scratch
@@ -661,6 +668,7 @@ class Record:
     messages: tuple[tuple[str, str], ...] | None = None  # (role, content) turns
     prompt: str | None = None
     completion: str | None = None
+    source: str = field(default="", compare=False)  # FILE:LINE, for errors found later
 
 
 def read_text_file(path: Path) -> str:
@@ -680,7 +688,7 @@ def read_text_file(path: Path) -> str:
 
 def read_records(path: Path, data_format: str) -> tuple[list[Record], str]:
     """The corpus file's records and their format. Any bad record ends the run, naming its line."""
-    if path.suffix != ".jsonl":
+    if path.suffix.lower() not in (".jsonl", ".json"):
         if data_format not in ("auto", "text"):
             raise UsageError(f"--data-format {data_format} needs a .jsonl file; {path} is read as text lines")
         return [Record(text=line) for line in read_corpus_lines(path)], "text"
@@ -693,6 +701,8 @@ def read_records(path: Path, data_format: str) -> tuple[list[Record], str]:
             obj = json.loads(line)
         except ValueError as e:
             raise UsageError(f"{where}: not valid JSON ({e.msg})") from None
+        except RecursionError:
+            raise UsageError(f"{where}: JSON nested too deeply") from None
         if not isinstance(obj, dict):
             raise UsageError(f"{where}: a record must be a JSON object, got {type(obj).__name__}")
         fmt = detect_format(obj, where) if data_format == "auto" else data_format
@@ -704,7 +714,7 @@ def read_records(path: Path, data_format: str) -> tuple[list[Record], str]:
                 f"{where}: a {fmt} record, but line {first[1]} is {first[0]}: one file holds one format "
                 "(or name it with --data-format)"
             )
-        records.append(record)
+        records.append(replace(record, source=where))
     if not records:
         raise UsageError(f"corpus file has no records: {path}")
     return records, first[0]
@@ -734,6 +744,10 @@ def parse_record(obj: dict, fmt: str, where: str) -> Record:
         if not isinstance(value, str):
             what = "missing" if value is None else f"a {type(value).__name__}, not a string"
             raise UsageError(f"{where}: field '{key}' is {what}")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UsageError(f"{where}: field '{key}' is not valid text (it holds a lone surrogate)") from None
         return value
 
     if fmt == "text":
@@ -884,12 +898,27 @@ def tokenize_record(
     if record.prompt is not None:
         prompt, completion = encode(record.prompt), [*encode(record.completion), eos]
         return TokenSequence(prompt + completion, [train_on_prompt] * len(prompt) + [True] * len(completion))
-    ids, is_target = [], []
-    for text, target in chat_segments(record.messages, tokenizer, masking):
-        piece = encode(text)
-        ids += piece
-        is_target += [target or train_on_prompt] * len(piece)
-    return TokenSequence(ids, is_target)
+    try:
+        if train_on_prompt:  # every token: no mask to derive, so any template will do
+            ids = encode(render_chat(record.messages, tokenizer))
+            return TokenSequence(ids, [True] * len(ids))
+        ids, is_target = [], []
+        for text, target in chat_segments(record.messages, tokenizer, masking):
+            piece = encode(text)
+            ids += piece
+            is_target += [target] * len(piece)
+        return TokenSequence(ids, is_target)
+    except UsageError as e:
+        raise UsageError(f"{record.source or 'a conversation'}: {e}") from None
+    except Exception as e:  # the template's own refusal (roles must alternate, ...) or a rendering error
+        raise UsageError(
+            f"{record.source or 'a conversation'}: the chat template cannot render it: {first_line(e)}"
+        ) from None
+
+
+def render_chat(turns: tuple[tuple[str, str], ...], tokenizer: PreTrainedTokenizerBase, prompt: bool = False) -> str:
+    messages = [{"role": role, "content": content} for role, content in turns]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
 
 
 @dataclass(frozen=True)
@@ -918,19 +947,20 @@ def chat_segments(
     the conversation up to reply i with the generation prompt, then through reply i, and the
     reply is what the second adds. A template for which that does not hold is refused.
     """
-    messages = [{"role": role, "content": content} for role, content in turns]
 
     def render(upto: int, generation_prompt: bool) -> str:
-        return tokenizer.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=generation_prompt)
+        return render_chat(turns[:upto], tokenizer, generation_prompt)
 
     def refuse(why: str) -> UsageError:
         return UsageError(f"the chat template cannot be masked for assistant-only loss ({why}); "
                           "use --train-on-prompt to train on every token")  # fmt: skip
 
-    full, segments, done = render(len(messages), False), [], 0
+    full, segments, done = render(len(turns), False), [], 0
     for i, (role, content) in enumerate(turns):
         if role != "assistant":
             continue
+        if i == 0:
+            raise refuse("the conversation opens with an assistant turn, which nothing prompts")
         before, through = render(i, True), render(i + 1, False)
         start, end = len(before), len(before) + len(content)
         if not (full.startswith(through) and through.startswith(before) and through[start:end] == content):
@@ -942,6 +972,13 @@ def chat_segments(
         done = end + len(close)
     segments.append((full[done:], False))
     return [(text, target) for text, target in segments if text]
+
+
+def encode_held_out(records: list[Record], tokenizer: PreTrainedTokenizerBase, cfg: RunConfig) -> Examples:
+    try:
+        return encode_records_with_tokenizer(records, tokenizer, cfg.seq_len, cfg.train_on_prompt)[0]
+    except UsageError as e:
+        raise UsageError(f"held-out records (--val-fraction {cfg.val_fraction}): {e}") from None
 
 
 def turn_closing_token(tokenizer: PreTrainedTokenizerBase) -> int:
@@ -1369,17 +1406,18 @@ def build_qwen_kit(cfg: RunConfig, d: Dist, records: list[Record], val_records: 
         return path
 
     chat = any(r.messages for r in records)
+    completions = any(r.prompt is not None for r in records)
 
     @torch.no_grad()
     def sample(raw: nn.Module, prompt: str) -> str:
-        """Continue --prompt; after chat training, answer it: a user turn through the chat template,
-        stopping at the end of the assistant's turn."""
+        """Continue --prompt as training saw text; after chat training, answer it: a user turn
+        through the chat template, stopping at the end of the assistant's turn."""
+        encode = functools.partial(tokenizer.encode, add_special_tokens=False)
         if chat:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                 add_generation_prompt=True)  # fmt: skip
-            prefix, stop = tokenizer.encode(text, add_special_tokens=False), [tokenizer.eos_token_id, end_of_turn]
-        else:
-            prefix, stop = [start, *tokenizer.encode(prompt, add_special_tokens=False)], [tokenizer.eos_token_id]
+            prefix = encode(render_chat((("user", prompt),), tokenizer, prompt=True))
+            stop = [tokenizer.eos_token_id, end_of_turn]
+        else:  # text was trained after a start token; a prompt-completion prompt had none
+            prefix, stop = ([] if completions else [start]) + encode(prompt), [tokenizer.eos_token_id]
         ids = torch.tensor([prefix], device=d.device)
         out = raw.generate(
             input_ids=ids,
@@ -1394,18 +1432,13 @@ def build_qwen_kit(cfg: RunConfig, d: Dist, records: list[Record], val_records: 
 
     end_of_turn = turn_closing_token(tokenizer) if chat else None
     train, counts = encode_records_with_tokenizer(records, tokenizer, cfg.seq_len, cfg.train_on_prompt, cfg.pack)
-    val = (
-        encode_records_with_tokenizer(val_records, tokenizer, cfg.seq_len, cfg.train_on_prompt)[0]
-        if val_records
-        else None
-    )
+    val = encode_held_out(val_records, tokenizer, cfg) if val_records else None
 
     return ModelKit(
         model=model,
         train=train,
         val=val,
-        loss_module=LeanHeadLoss(model),
-        loss=lambda m, ids, targets, positions=None: m(ids, targets, positions),
+        **loss_path(model),
         sample=sample,
         save_final=save_final,
         final_name=QWEN_FINAL,
@@ -1460,6 +1493,23 @@ class LeanHeadLoss(nn.Module):
         for h, y in zip(hidden[keep].split(self.CHUNK), targets[keep].split(self.CHUNK), strict=True):
             total = total + checkpoint(head_loss_sum, head, h, y, use_reentrant=False)
         return total
+
+
+def loss_path(model: nn.Module) -> dict:
+    """The lean head where the logits are the head's plain output (Qwen2 and most causal LMs);
+    the model's own forward where it rescales them (Gemma's soft-capping, Cohere's logit scale),
+    which the lean head would skip."""
+    config = model.get_base_model().config
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None) not in (None, 1.0):
+        return {
+            "loss": lambda m, ids, targets, positions=None: token_loss_sum(
+                m(input_ids=ids, position_ids=positions, use_cache=False).logits, targets
+            )
+        }
+    return {
+        "loss_module": LeanHeadLoss(model),
+        "loss": lambda m, ids, targets, positions=None: m(ids, targets, positions),
+    }
 
 
 def head_loss_sum(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -3077,7 +3127,6 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
     else:
         kit = build_tiny_kit(cfg, d, [r.text for r in train_records], [r.text for r in val_records])
     seed_dropout_per_rank(cfg, d)
-    cfg = steps_for_epochs(cfg, d, kit)
     log(
         d,
         f"[data] {cfg.corpus_file}: {len(train_records)} training {describe_records(fmt)} -> {len(kit.train)} "
@@ -3085,6 +3134,7 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
         f"{len(val_records)} held out for validation",
     )
     log(d, f"[model] {kit.describe}")
+    cfg = steps_for_epochs(cfg, d, kit)
 
     rank0_writes(d, "the outputs", lambda: prepare_outputs(cfg), error=UsageError)
     resume = find_resume_state(cfg, d, run_settings(cfg, d, kit) if d.is_main else {})
@@ -3124,7 +3174,7 @@ def steps_for_epochs(cfg: RunConfig, d: Dist, kit: ModelKit) -> RunConfig:
         return cfg
     # What the loader will give: the sampler's drop_last shard, whole batches, whole steps.
     per_epoch = len(kit.train) // d.world_size // cfg.batch_size // cfg.grad_accum_steps
-    steps = min(cfg.max_steps, cfg.epochs * per_epoch)
+    steps = min(cfg.max_steps or math.inf, cfg.epochs * per_epoch)
     capped = f", capped by --max-steps {cfg.max_steps}" if steps < cfg.epochs * per_epoch else ""
     log(d, f"[run] --epochs {cfg.epochs} x {per_epoch} steps per epoch = {steps} steps{capped}")
     return replace(cfg, max_steps=steps)

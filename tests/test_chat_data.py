@@ -257,3 +257,30 @@ def test_the_lean_head_gives_the_full_logits_loss_and_gradients(tiny_qwen, chat_
     worst = max(((a - b).norm() / b.norm()).item() for a, b in zip(lean_grads, full_grads, strict=True) if b.norm() > 0)
     print(f"lean head vs full logits: loss {lean.item():.6f} vs {full.item():.6f}, worst relative gradient {worst:.2g}")
     assert worst <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "record, expected",
+    [({"messages": [{"role": "assistant", "content": "I start"}, {"role": "user", "content": "ok"},
+                    {"role": "assistant", "content": "end"}]}, "opens with an assistant turn"),
+     ({"messages": [{"role": "user", "content": "Hi \ud800"}, {"role": "assistant", "content": "x"}]},
+      "field 'content' is not valid text")],
+)  # fmt: skip
+def test_a_conversation_that_cannot_be_used_is_one_line_naming_its_record(tiny_qwen, tmp_path, record, expected):
+    path = tmp_path / "c.json"  # .json is read as JSON lines too
+    path.write_text(json.dumps({"messages": REPLIES}) + "\n" + json.dumps(record) + "\n")
+    run = launch(qwen_args(tiny_qwen, tmp_path, "--corpus-file", str(path), "--seq-len", "256"))
+    assert run.returncode == 2
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and f"{path}:2: " in errors[0] and expected in errors[0], run.stderr
+
+
+def test_train_on_prompt_needs_no_mask_so_any_template_will_do(tokenizer):
+    trimming = copy.deepcopy(tokenizer)
+    trimming.chat_template = tokenizer.chat_template.replace("message.content + '<|im_end|>'",
+                                                             "message.content | trim + '<|im_end|>'")  # fmt: skip
+    spaced = t.Record(messages=(("user", "Hi"), ("assistant", "ok  ")), source="chat.jsonl:7")
+    with pytest.raises(t.UsageError, match=re.escape("chat.jsonl:7: the chat template cannot be masked")):
+        t.tokenize_record(spaced, trimming, False, t.chat_masking(trimming))
+    seq = t.tokenize_record(spaced, trimming, True, t.chat_masking(trimming))
+    assert all(seq.is_target) and trimming.decode(seq.ids).endswith("ok<|im_end|>\n")
