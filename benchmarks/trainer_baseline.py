@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -133,3 +134,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Leave as the script does: Gloo's threads can abort a finished process in the interpreter's
+    # shutdown ("terminate called without an active exception", pytorch#179291).
+    script.teardown_distributed()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
