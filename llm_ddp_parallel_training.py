@@ -655,7 +655,6 @@ def read_corpus_lines(path: Path) -> list[str]:
 # Every record becomes text, a conversation, or a prompt with its completion.
 
 DATA_FORMATS = ("auto", "text", "messages", "prompt-completion", "sharegpt", "alpaca")
-CHAT_FORMATS = ("messages", "sharegpt", "alpaca")  # all three become a conversation
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant"}
 
