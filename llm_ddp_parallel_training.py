@@ -28,6 +28,7 @@ import contextlib
 import functools
 import gc
 import hashlib
+import inspect
 import io
 import itertools
 import json
@@ -1789,11 +1790,16 @@ def wrap_data_parallel(model: nn.Module, cfg: RunConfig, d: Dist, stats: CommSta
         # .grad tensors live on: the loop zeroes them in place rather than setting them to None.)
         gradient_as_bucket_view=True,
         # Buffers never change here (Qwen's rotary frequencies are fixed), so there is nothing
-        # to re-send from rank 0 before every forward: DDP's broadcast at wrap time is enough.
-        broadcast_buffers=False,
+        # to re-send from rank 0 before every forward (torch 2.13 renamed the switch).
+        **no_buffer_sync_before_forward(),
     )
     ddp.register_comm_hook(stats, counting_allreduce_hook)
     return ddp
+
+
+def no_buffer_sync_before_forward() -> dict[str, bool]:
+    takes = inspect.signature(DDP.__init__).parameters
+    return {"forward_sync_buffers": False} if "forward_sync_buffers" in takes else {"broadcast_buffers": False}
 
 
 def no_sync(model: nn.Module) -> contextlib.AbstractContextManager:
