@@ -28,6 +28,7 @@ import contextlib
 import functools
 import gc
 import hashlib
+import importlib.util
 import inspect
 import io
 import itertools
@@ -107,6 +108,7 @@ class RunConfig:
     lora_dropout: float
     lora_targets: tuple[str, ...]
     dtype: str
+    attn_implementation: str
     trust_remote_code: bool
     gradient_checkpointing: bool
     # optimisation
@@ -301,6 +303,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
         choices=["auto", "float32", "bfloat16", "float16"],
         default="auto",
         help="weights dtype; auto: bfloat16 on GPUs that support it, else float32",
+    )
+    g.add_argument(
+        "--attn-implementation",
+        choices=["sdpa", "flash_attention_2", "eager"],
+        default="sdpa",
+        help="attention kernel; flash_attention_2 needs CUDA and the flash-attn package",
     )
     g.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub (Qwen2 needs none)")
     g.add_argument(
@@ -1566,6 +1574,18 @@ def fetch_model_files(cfg: RunConfig) -> Path:
         ) from None
 
 
+def check_attention_kernel(cfg: RunConfig, d: Dist) -> None:
+    """flash_attention_2 runs on CUDA only, from the flash-attn package; say so before loading."""
+    if cfg.attn_implementation != "flash_attention_2":
+        return
+    if d.device.type != "cuda":
+        raise UsageError("--attn-implementation flash_attention_2 needs a CUDA GPU; use sdpa (the default)")
+    if importlib.util.find_spec("flash_attn") is None:
+        raise UsageError(
+            "--attn-implementation flash_attention_2 needs the flash-attn package (pip install flash-attn)"
+        )
+
+
 def load_tokenizer(cfg: RunConfig, folder: Path) -> PreTrainedTokenizerBase:
     import transformers
 
@@ -1583,11 +1603,12 @@ def load_pretrained(cfg: RunConfig, d: Dist, dtype: torch.dtype) -> tuple[PreTra
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # one bar per rank is noise, not news
+    check_attention_kernel(cfg, d)
     folder = resolve_model_files(cfg, d)
     tokenizer = load_tokenizer(cfg, folder)
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            folder, dtype=dtype, attn_implementation="sdpa", trust_remote_code=cfg.trust_remote_code
+            folder, dtype=dtype, attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code
         )
     except (OSError, ValueError, ImportError) as e:
         raise UsageError(f"cannot load model from {folder}: {first_line(e)}") from None

@@ -284,3 +284,9 @@ def test_train_on_prompt_needs_no_mask_so_any_template_will_do(tokenizer):
         t.tokenize_record(spaced, trimming, False, t.chat_masking(trimming))
     seq = t.tokenize_record(spaced, trimming, True, t.chat_masking(trimming))
     assert all(seq.is_target) and trimming.decode(seq.ids).endswith("ok<|im_end|>\n")
+
+
+def test_eager_attention_trains_and_flash_attention_on_cpu_is_one_line(tiny_qwen, tmp_path):
+    assert_ok(launch(qwen_args(tiny_qwen, tmp_path / "eager", "--attn-implementation", "eager", "--max-steps", "2")))
+    run = launch(qwen_args(tiny_qwen, tmp_path / "flash", "--attn-implementation", "flash_attention_2"))
+    assert run.returncode == 2 and "flash_attention_2 needs a CUDA GPU" in run.stderr
