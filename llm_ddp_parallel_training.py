@@ -15,10 +15,11 @@ One file, read top to bottom, follows one training run:
    10. Save          rank 0 alone writes while the others wait at a barrier; checkpoints and resume
    11. Main          the stages in order, and one clear exit on every path
 
-Run it as one plain process, or under torchrun on one or many machines:
+Run it as one plain process, under torchrun on one or many machines, or let it start its own ranks:
 
     python llm_ddp_parallel_training.py --cpu --max-steps 20
     torchrun --standalone --nproc_per_node=2 llm_ddp_parallel_training.py --cpu
+    python llm_ddp_parallel_training.py --cpu --nproc 2
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import random
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -147,6 +149,7 @@ class RunConfig:
     backend: str
     cpu: bool
     timeout_s: float
+    nproc: int
     # reporting
     log_every: int
     prompt: str
@@ -424,6 +427,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--cpu", action="store_true", help="train on CPU even if CUDA is available")
     g.add_argument(
+        "--nproc",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="start N ranks on this machine without torchrun (Windows, macOS, notebooks); 0: off",
+    )
+    g.add_argument(
         "--timeout-s",
         type=_bounded(float, 1, 7 * 86400, " seconds"),
         default=300.0,
@@ -580,6 +590,65 @@ def setup_distributed(cfg: RunConfig) -> Dist:
     # Without torchrun's agent store, torch built one from MASTER_ADDR/PORT: take that one.
     store = agent_store or dist.distributed_c10d._get_default_store()
     return Dist(rank, local_rank, world, local_world, device, backend, why, control, store)
+
+
+def launch_local_ranks(cfg: RunConfig, argv: list[str]) -> int:
+    """--nproc N: start N ranks of this script on this machine, as torchrun --standalone would.
+
+    The launcher hosts the rendezvous store on a free port and gives each rank torchrun's
+    environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, the agent store, a run id), so
+    every rank runs exactly the code path it runs under torchrun. It forwards SIGINT and SIGTERM
+    to the ranks (they take a repeat within seconds as the same request), and when a rank fails
+    it gives the others a few seconds to notice and say so, then stops them.
+    """
+    if launched_by_torchrun():
+        raise UsageError("--nproc starts its own ranks: under torchrun, leave it out (--nproc_per_node sets the count)")
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=cfg.timeout_s)
+    )
+    env = os.environ | {
+        "WORLD_SIZE": str(cfg.nproc),
+        "LOCAL_WORLD_SIZE": str(cfg.nproc),
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(store.port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RUN_ID": os.urandom(8).hex(),
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),  # as torchrun: N ranks share the cores
+    }
+    command = [sys.executable, str(Path(__file__).resolve()), *argv, "--nproc", "0"]  # the last --nproc wins
+    ranks = [
+        subprocess.Popen(command, env=env | {"RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)})
+        for r in range(cfg.nproc)
+    ]
+
+    def forward(signum: int, frame: object) -> None:
+        for rank in ranks:
+            with contextlib.suppress(OSError):
+                rank.send_signal(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, forward)
+    try:
+        while (codes := [rank.poll() for rank in ranks]) and None in codes:
+            if any(code not in (None, 0, EXIT_STOPPED) for code in codes):
+                break
+            time.sleep(0.1)
+        failed = [(r, code) for r, code in enumerate(codes) if code not in (None, 0, EXIT_STOPPED)]
+        if not failed:
+            return EXIT_STOPPED if EXIT_STOPPED in codes else 0
+        deadline = time.monotonic() + 10  # the others lose contact and each say so; then they are made to stop
+        while any(rank.poll() is None for rank in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        rank, code = failed[0]
+        print(f"error: rank {rank} failed first (exit code {code}); every rank has stopped", file=sys.stderr)
+        return code if code > 0 else 1
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
 
 
 def rendezvous_store(timeout: timedelta) -> dist.Store | None:
@@ -3254,6 +3323,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_flush_denormal(True)
     try:
         cfg = parse_args(argv)
+        if cfg.nproc:
+            raise SystemExit(launch_local_ranks(cfg, sys.argv[1:] if argv is None else list(argv)))
         d = setup_distributed(cfg)
     except UsageError as e:
         report_error(str(e))

@@ -1,7 +1,9 @@
-"""The three ways to launch, end to end: one process, torchrun on one machine, two nodes."""
+"""The ways to launch, end to end: one process, torchrun on one machine, two nodes, and --nproc."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 
@@ -92,3 +94,49 @@ def test_waiting_for_a_download_has_no_collective_deadline(tmp_path):
     run = run_cmd(torchrun_cmd(2, [*TINY, "--timeout-s", "1"], script=probe), timeout=60)
     assert_ok(run)
     assert "rank 0 met, problem ''" in run.stdout and "rank 1 met, problem ''" in run.stdout
+
+
+def test_nproc_runs_the_ranks_itself_and_writes_what_torchrun_writes_bit_for_bit(tmp_path):
+    args = [*TINY, "--max-steps", "6", "--dropout", "0.1"]
+    assert_ok(launch([*args, "--output-dir", str(tmp_path / "torchrun")], nproc=2))
+    run = launch([*args, "--nproc", "2", "--output-dir", str(tmp_path / "nproc")])
+    assert_ok(run)
+    assert "2 process(es)" in run.stdout
+    checkpoints = [(tmp_path / name / "tiny_transformer.pt").read_bytes() for name in ("torchrun", "nproc")]
+    assert checkpoints[0] == checkpoints[1]
+
+
+def test_a_failing_rank_under_nproc_ends_every_rank_promptly_with_a_clear_line(tmp_path):
+    run = launch([*TINY, "--nproc", "2", "--inject-fault", "1:3:raise", "--output-dir", str(tmp_path)], timeout=60)
+    assert run.returncode != 0 and run.seconds < 30
+    assert "error: rank 1 failed first (exit code 1); every rank has stopped" in run.stderr
+    assert "rank 0 lost contact with another rank" in run.stderr
+
+
+def test_nproc_inside_a_launched_rank_is_refused():
+    # (torchrun itself rejects "--nproc" after the script as an ambiguous abbreviation of its own
+    # --nproc-per-node; a rank launched any other way carries torchrun's variables.)
+    env = child_env({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
+    run = launch([*TINY, "--nproc", "2"], env=env)
+    assert run.returncode == 2
+    assert "error: --nproc starts its own ranks: under torchrun, leave it out" in run.stderr
+
+
+def test_ctrl_c_to_the_nproc_launcher_stops_every_rank_with_a_checkpoint(tmp_path):
+    # A notebook's interrupt reaches the launcher alone; it forwards the signal to every rank.
+    cmd = [sys.executable, str(t.__file__), *TINY, "--max-steps", "2000", "--log-every", "1", "--save-every", "1000",
+           "--nproc", "2", "--output-dir", str(tmp_path)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
+                            start_new_session=True)  # fmt: skip
+    try:
+        for line in proc.stdout:
+            if line.startswith("step    20/"):
+                break
+        os.kill(proc.pid, signal.SIGINT)
+        output = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == t.EXIT_STOPPED, output
+    stopped_at = int(output.split("stopped after step ")[1].split(";")[0])
+    assert (tmp_path / "checkpoints" / f"step_{stopped_at:08d}" / "manifest.json").exists()
