@@ -592,6 +592,10 @@ def setup_distributed(cfg: RunConfig) -> Dist:
     return Dist(rank, local_rank, world, local_world, device, backend, why, control, store)
 
 
+# PyTorch's Windows wheels are built without libuv, which its TCPStore uses by default elsewhere.
+USE_LIBUV = not sys.platform.startswith("win")
+
+
 def launch_local_ranks(cfg: RunConfig, argv: list[str]) -> int:
     """--nproc N: start N ranks of this script on this machine, as torchrun --standalone would.
 
@@ -604,7 +608,12 @@ def launch_local_ranks(cfg: RunConfig, argv: list[str]) -> int:
     if launched_by_torchrun():
         raise UsageError("--nproc starts its own ranks: under torchrun, leave it out (--nproc_per_node sets the count)")
     store = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=cfg.timeout_s)
+        "127.0.0.1",
+        0,  # a free port, which the store binds itself: no race with another program
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=cfg.timeout_s),
+        use_libuv=USE_LIBUV,
     )
     env = os.environ | {
         "WORLD_SIZE": str(cfg.nproc),
@@ -661,7 +670,9 @@ def rendezvous_store(timeout: timedelta) -> dist.Store | None:
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout, use_libuv=USE_LIBUV
+    )
     return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
