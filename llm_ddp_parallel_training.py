@@ -3363,12 +3363,17 @@ def main(argv: list[str] | None = None) -> None:
         teardown_distributed()
 
 
-if __name__ == "__main__":
-    main()
-    # Finished: every rank has left the process group and every file is closed. Leave without
-    # the interpreter's shutdown, where the C++ destructors of torch's communication threads
-    # occasionally abort a finished run ("terminate called without an active exception", seen
-    # here about once in a few hundred runs, despite the gc.collect in teardown_distributed).
+def leave_finished() -> None:
+    """Exit 0 without the interpreter's shutdown, once every rank has left the process group and
+    every file is closed: there the C++ destructors of torch's communication threads occasionally
+    abort a finished run ("terminate called without an active exception", seen here about once in
+    a few hundred runs, despite the gc.collect in teardown_distributed)."""
+    teardown_distributed()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
+    leave_finished()

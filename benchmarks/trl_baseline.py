@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import sys
 from pathlib import Path
@@ -84,9 +83,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # Leave as the script does: Gloo's threads can abort a finished process in the interpreter's
-    # shutdown ("terminate called without an active exception", pytorch#179291).
-    script.teardown_distributed()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    script.leave_finished()  # as the script does: Gloo's threads can abort the interpreter's shutdown
