@@ -880,7 +880,7 @@ class Examples(Dataset):
     # (N,) int64: UTF-8 bytes of text the targets spell out (a line's end counts as one byte).
     # Loss per byte compares models whose tokens differ: a byte-level model and Qwen's BPE.
     target_bytes: torch.Tensor
-    # (N, T) int64 for packed rows: each example's positions restart at 0 (see pack_sequences)
+    # (N, T) int64 for packed rows: each example's positions restart at 0 (see pack_rows)
     positions: torch.Tensor | None = None
 
     def __len__(self) -> int:
@@ -966,7 +966,6 @@ class TokenSequence:
 
     ids: list[int]
     is_target: list[bool]  # is_target[j]: token j is predicted (from token j-1) and counts in the loss
-    truncated: bool = False
 
 
 def tokenize_record(
@@ -1095,7 +1094,7 @@ def encode_records_with_tokenizer(
     for sample in records:
         seq = tokenize_record(sample, tokenizer, train_on_prompt, masking)
         if len(seq.ids) > seq_len + 1:
-            seq = TokenSequence(seq.ids[: seq_len + 1], seq.is_target[: seq_len + 1], truncated=True)
+            seq = TokenSequence(seq.ids[: seq_len + 1], seq.is_target[: seq_len + 1])
             counts["truncated"] += 1
         if not any(seq.is_target[1:]):
             counts["dropped"] += 1
