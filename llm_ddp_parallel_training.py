@@ -131,6 +131,7 @@ class RunConfig:
     metrics_file: Path | None
     plot: bool
     time_breakdown: bool
+    trace_steps: int
     # gradients: how they are synchronised, accumulated and normalised
     ddp: str
     bucket_mb: float
@@ -363,6 +364,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--plot", action="store_true", help="write OUTPUT_DIR/loss.png at the end (needs matplotlib)")
     g.add_argument(
         "--time-breakdown", action="store_true", help="time data/forward/backward/sync/optimizer in every step"
+    )
+    g.add_argument(
+        "--trace-steps",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="record every rank's first N steps to OUTPUT_DIR/trace.json (Perfetto); with --plot, timeline.png",
     )
 
     g = p.add_argument_group("gradients")
@@ -1738,6 +1746,7 @@ class CommStats:
         self.layout: list[tuple[int, list[str]]] = []  # per bucket: (bytes, parameter names)
         self.layout_changed = False
         self.local_grads: dict[str, torch.Tensor] | None = None  # set to {} to capture one step
+        self.timeline: Timeline | None = None  # --trace-steps: each bucket's all-reduce becomes a span
 
     def record(self, index: int, nbytes: int, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         self.calls += 1
@@ -1746,6 +1755,13 @@ class CommStats:
         if self.local_grads is not None:  # the gradient this rank computed, before averaging
             for p, g in zip(params, grads, strict=True):
                 self.local_grads[self.name_of[id(p)]] = g.detach().clone()
+
+    def traced(self, future: torch.futures.Future, index: int, nbytes: int, dtype: torch.dtype) -> torch.futures.Future:
+        if self.timeline is None or not self.timeline.on:
+            return future
+        return self.timeline.all_reduce(
+            future, {"bucket": index, "bytes": nbytes, "dtype": str(dtype).removeprefix("torch.")}
+        )
 
     def end_step(self) -> tuple[int, int]:
         """Close the optimizer step: return (all-reduce calls, bytes) and note the bucket layout."""
@@ -1770,8 +1786,11 @@ def counting_allreduce_hook(stats, bucket):  # no annotations: DDP checks them, 
     wire_bytes = buffer.numel() * (2 if stats.compress else buffer.element_size())
     stats.record(bucket.index(), wire_bytes, bucket.parameters(), bucket.gradients())
     if stats.compress:
-        return default_hooks.bf16_compress_hook(None, bucket)
-    return default_hooks.allreduce_hook(None, bucket)
+        future = default_hooks.bf16_compress_hook(None, bucket)
+    else:
+        future = default_hooks.allreduce_hook(None, bucket)
+    wire_dtype = torch.bfloat16 if stats.compress else buffer.dtype
+    return stats.traced(future, bucket.index(), wire_bytes, wire_dtype)
 
 
 @dataclass(eq=False)
@@ -1781,7 +1800,7 @@ class Bucket:
     flat: torch.Tensor  # one contiguous buffer for all their gradients: one all-reduce per bucket
     offsets: list[int]
     ready: int = 0
-    work: dist.Work | None = None
+    arrival: torch.futures.Future | None = None  # the all-reduce in flight; wait() returns once the sum is here
     wire: torch.Tensor | None = None  # what travels: flat itself, or its bf16 copy
 
 
@@ -1845,21 +1864,23 @@ class ManualDDP(nn.Module):
                 bucket.flat[o : o + q.numel()].view_as(q) for q, o in zip(bucket.params, bucket.offsets, strict=True)
             ]
             bucket.wire = bucket.flat.to(torch.bfloat16) if self.stats.compress else bucket.flat
-            self.stats.record(bucket.index, bucket.wire.numel() * bucket.wire.element_size(), bucket.params, local)
-            bucket.work = dist.all_reduce(bucket.wire, async_op=True)
+            nbytes = bucket.wire.numel() * bucket.wire.element_size()
+            self.stats.record(bucket.index, nbytes, bucket.params, local)
+            work = dist.all_reduce(bucket.wire, async_op=True)
+            bucket.arrival = self.stats.traced(work.get_future(), bucket.index, nbytes, bucket.wire.dtype)
 
     def finish_gradient_sync(self) -> None:
         for bucket in self.buckets:
-            if bucket.work is None:
+            if bucket.arrival is None:
                 missing = [self.stats.name_of[id(p)] for p in bucket.params if p.grad is None]
                 raise TrainingError(f"a gradient bucket never filled: no gradient for {', '.join(missing) or '?'}")
-            bucket.work.wait()
+            bucket.arrival.wait()
             if bucket.wire is not bucket.flat:
                 bucket.flat.copy_(bucket.wire)
             bucket.flat.div_(self.world_size)  # all_reduce summed; DDP's contract is the average
             for p, offset in zip(bucket.params, bucket.offsets, strict=True):
                 p.grad.copy_(bucket.flat[offset : offset + p.numel()].view_as(p))
-            bucket.ready, bucket.work, bucket.wire = 0, None, None
+            bucket.ready, bucket.arrival, bucket.wire = 0, None, None
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -2006,6 +2027,148 @@ def describe_local_gradient(stats: CommStats, named_params: list[tuple[str, nn.P
     )
 
 
+class Timeline:
+    """--trace-steps N: what every rank did, and when, during its first N optimizer steps.
+
+    The loop's phase marks (the same ones --time-breakdown uses) become spans: data, forward,
+    backward, sync, optimizer, inside a "step K" span. The all-reduce of each bucket is a span
+    from the moment the DDP wrapper hands it over until its result is ready, taken in the
+    wrapper's own hook, so it runs beside backward on the timeline, as it does in the process.
+    "backward" ends when the last parameter's gradient is ready; torch's DDP then waits inside
+    backward() for the buckets still in flight, and that wait shows as "sync".
+
+    On a GPU a mark is a CUDA event, not a clock reading: the host runs ahead of the device, and
+    an event records when the *device* got there. Each traced step starts with one synchronize,
+    to pin the events to this rank's clock, and ends with another to read them. Off (N = 0)
+    there is no Timeline at all.
+    """
+
+    def __init__(self, steps: int, device: torch.device) -> None:
+        self.steps, self.cuda = steps, device.type == "cuda"
+        self.on, self.step = False, 0  # recording the current step, and which
+        self.spans: list[tuple[str, float, float, dict]] = []  # (name, start, end, args), seconds
+        self.pending: list[tuple[str, object, object, dict]] = []  # this step's, marks unresolved
+        self.step_start: object = 0.0
+        self.phase_start: object = 0.0
+        self.last_gradient: object | None = None
+        self.anchor: tuple[float, torch.cuda.Event] | None = None
+
+    def now(self) -> object:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()  # on the current stream: the autograd stream, or the one a hook's future runs on
+        return event
+
+    def seconds(self, mark: object) -> float:
+        if not self.cuda:
+            return mark
+        host, event = self.anchor
+        return host + event.elapsed_time(mark) / 1000
+
+    def begin_step(self, step: int) -> None:
+        self.on, self.pending, self.step = step <= self.steps, [], step
+        if self.on and self.cuda:
+            torch.cuda.synchronize()
+            self.anchor = (time.perf_counter(), self.now())
+        self.step_start = self.phase_start = self.now() if self.on else 0.0
+
+    def gradient_ready(self, _: nn.Parameter) -> None:
+        if self.on:
+            self.last_gradient = self.now()
+
+    def phase(self, name: str) -> None:
+        now = self.now()
+        if name == "backward" and self.last_gradient is not None:
+            self.pending.append(("backward", self.phase_start, self.last_gradient, {}))
+            self.pending.append(("sync", self.last_gradient, now, {}))
+        else:
+            self.pending.append((name, self.phase_start, now, {}))
+        self.phase_start, self.last_gradient = now, None
+
+    def all_reduce(self, future: torch.futures.Future, args: dict) -> torch.futures.Future:
+        """The bucket's future, with its moment of arrival noted (returns the same value)."""
+        start = self.now()
+
+        def arrived(f: torch.futures.Future) -> object:
+            self.pending.append(("all-reduce", start, self.now(), args))  # on a communication thread
+            return f.value()
+
+        return future.then(arrived)
+
+    def end_step(self) -> None:
+        if not self.on:
+            return
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.pending.append((f"step {self.step}", self.step_start, self.now(), {}))
+        self.spans += [(name, self.seconds(a), self.seconds(b), args) for name, a, b, args in self.pending]
+        self.on, self.pending = False, []
+
+
+def start_timeline(cfg: RunConfig, d: Dist, params: list[nn.Parameter]) -> Timeline | None:
+    if not cfg.trace_steps:
+        return None
+    timeline = Timeline(cfg.trace_steps, d.device)
+    for p in params:
+        p.register_post_accumulate_grad_hook(timeline.gradient_ready)
+    return timeline
+
+
+def clock_offsets(d: Dist, rounds: int = 9) -> list[float]:
+    """What to add to each rank's clock to read rank 0's (seconds).
+
+    Each round, all ranks leave a barrier together and read their clocks at once: rank 0's
+    reading minus rank r's is r's offset, give or take how unevenly the barrier released
+    them. The median of a few rounds drops the rounds a scheduler hiccup spoiled.
+    """
+    if not d.distributed:
+        return [0.0]
+    readings = []
+    for _ in range(rounds):
+        dist.barrier(group=d.control)
+        readings.append(time.perf_counter())
+    ranks = all_gather_tensor(d, torch.tensor(readings, dtype=torch.float64))
+    return [(ranks[0] - r).median().item() for r in ranks]
+
+
+def collect_trace(d: Dist, timeline: Timeline, offsets: list[float]) -> list[list[tuple[str, float, float, dict]]]:
+    """Every rank's spans, on rank 0's clock (a collective; rank 0 gets them, the others [])."""
+    gathered: list = [timeline.spans]
+    if d.distributed:
+        gathered = [None] * d.world_size
+        dist.all_gather_object(gathered, timeline.spans, group=d.control)
+    if not d.is_main:
+        return []
+    return [
+        [(n, a + off, b + off, args) for n, a, b, args in spans] for spans, off in zip(gathered, offsets, strict=True)
+    ]
+
+
+def union_seconds(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def hidden_fraction(spans: list[tuple[str, float, float, dict]]) -> float | None:
+    """Of the time one rank had an all-reduce in flight, the share its backward was computing.
+
+    That time is free: the wire works while the cores compute. The rest is waited for.
+    """
+    comm = union_seconds([(a, b) for n, a, b, _ in spans if n == "all-reduce"])
+    compute = union_seconds([(a, b) for n, a, b, _ in spans if n == "backward"])
+    total = sum(b - a for a, b in comm)
+    if not total:
+        return None
+    hidden = sum(max(0.0, min(b, d) - max(a, c)) for a, b in comm for c, d in compute)
+    return hidden / total
+
+
 # ----------------------------------------------------------------------------------------------
 # 8. Train: one loop for every model
 # ----------------------------------------------------------------------------------------------
@@ -2125,6 +2288,7 @@ class TrainResult:
     tokens: int  # trained on in this attempt (a resumed run counts from its checkpoint)
     seconds: float  # spent in training steps in this attempt
     stopped_by: str | None  # the signal's name, when a stop request ended the run early
+    trace: list[list[tuple[str, float, float, dict]]]  # --trace-steps: every rank's spans (rank 0 only)
 
 
 class PhaseTimer:
@@ -2135,22 +2299,28 @@ class PhaseTimer:
     before forward, and after backward the manual DDP's wait for its buckets, the loss
     all-reduce and clipping. On CUDA each boundary synchronises the device, a small slowdown that
     is the price of true numbers; without the flag nothing is timed.
+
+    The same marks feed the --trace-steps timeline, when there is one.
     """
 
     PHASES = ("data", "forward", "backward", "sync", "optimizer")
 
-    def __init__(self, enabled: bool, device: torch.device) -> None:
-        self.enabled, self.cuda = enabled, device.type == "cuda"
+    def __init__(self, enabled: bool, device: torch.device, timeline: Timeline | None) -> None:
+        self.enabled, self.cuda, self.timeline = enabled, device.type == "cuda", timeline
         self.seconds = dict.fromkeys(self.PHASES, 0.0)
         self.last = 0.0
 
-    def start(self) -> float:
+    def start(self, step: int) -> float:
+        if self.timeline:
+            self.timeline.begin_step(step)
         if self.enabled and self.cuda:
             torch.cuda.synchronize()
         self.last = time.perf_counter()
         return self.last
 
     def mark(self, phase: str) -> None:
+        if self.timeline and self.timeline.on:
+            self.timeline.phase(phase)
         if not self.enabled:
             return
         if self.cuda:
@@ -2158,6 +2328,10 @@ class PhaseTimer:
         now = time.perf_counter()
         self.seconds[phase] += now - self.last
         self.last = now
+
+    def end_step(self) -> None:
+        if self.timeline:
+            self.timeline.end_step()
 
     def take(self, steps: int) -> dict[str, float]:
         """Milliseconds per step in each phase since the last take."""
@@ -2233,6 +2407,8 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None) -> TrainR
     params = [p for _, p in named_params]
     stats = CommStats(named_params, compress=cfg.grad_compression == "bf16")
     model = wrap_data_parallel(kit.trained, cfg, d, stats)
+    stats.timeline = timeline = start_timeline(cfg, d, params)
+    offsets = clock_offsets(d) if timeline else []
     optimizer = make_optimizer(cfg, params)
     precision = choose_precision(cfg, d)
     # fp16 needs loss scaling: small gradients would underflow to zero. bf16 has fp32's range.
@@ -2265,13 +2441,13 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None) -> TrainR
         saved_step = progress.step
 
     reporter = Reporter(cfg, d, kit, progress, precision)
-    timer = PhaseTimer(cfg.time_breakdown, d.device)
+    timer = PhaseTimer(cfg.time_breakdown, d.device, timeline)
     model.train()
     stream = steps_from(loader, sampler, k, progress.step)
     stopped_by = None
     while progress.step < cfg.max_steps:
         step = progress.step + 1
-        t_step = timer.start()
+        t_step = timer.start(step)
         fault = due_fault(cfg, d, step)
         if fault in ("kill", "raise", "hang"):
             crash_on_purpose(fault, d, step)
@@ -2355,6 +2531,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None) -> TrainR
         if cfg.verify_sync and step % cfg.verify_sync == 0:
             state = params_and_optimizer_state(named_params, optimizer)
             verify_replicas_agree(d, step, "after the optimizer step", state)
+        timer.end_step()
 
         step_seconds = time.perf_counter() - t_step
         progress.step = step
@@ -2371,7 +2548,8 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None) -> TrainR
     if stopped_by:
         save_state()
     reporter.close()
-    return TrainResult(progress, reporter.tokens, reporter.seconds, stopped_by)
+    trace = collect_trace(d, timeline, offsets) if timeline else []
+    return TrainResult(progress, reporter.tokens, reporter.seconds, stopped_by, trace)
 
 
 def raise_non_finite(d: Dist, step: int, loss: float, grad_norm: float, local_loss_sum: float) -> None:
@@ -2600,7 +2778,7 @@ def format_metrics(r: dict[str, float], max_steps: int, distributed: bool) -> st
     return line
 
 
-def write_loss_plot(cfg: RunConfig, history: list[dict[str, float]]) -> Path | None:
+def import_pyplot() -> object | None:
     try:
         import matplotlib
 
@@ -2608,6 +2786,13 @@ def write_loss_plot(cfg: RunConfig, history: list[dict[str, float]]) -> Path | N
         import matplotlib.pyplot as plt
     except ImportError:
         say("[plot] skipped: matplotlib is not installed (pip install matplotlib)")
+        return None
+    return plt
+
+
+def write_loss_plot(cfg: RunConfig, history: list[dict[str, float]]) -> Path | None:
+    plt = import_pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([h["step"] for h in history], [h["loss"] for h in history], label="train loss (global batch)")
@@ -2618,6 +2803,114 @@ def write_loss_plot(cfg: RunConfig, history: list[dict[str, float]]) -> Path | N
     ax.grid(alpha=0.3)
     ax.legend()
     path = cfg.output_dir / "loss.png"
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def all_reduce_lanes(spans: list[tuple[str, float, float, dict]]) -> list[int]:
+    """A lane for each all-reduce span, so that spans sharing a lane never overlap.
+
+    A bucket handed over while the previous one is still in flight overlaps it: it waits its
+    turn on the wire. Lane by lane, the timeline shows how deep that queue got.
+    """
+    ends: list[float] = []
+    lanes = []
+    for _, a, b, _ in spans:
+        lane = next((i for i, end in enumerate(ends) if end <= a), len(ends))
+        if lane == len(ends):
+            ends.append(b)
+        else:
+            ends[lane] = b
+        lanes.append(lane)
+    return lanes
+
+
+def chrome_trace(ranks: list[list[tuple[str, float, float, dict]]]) -> dict:
+    """The Chrome Trace Event Format (Perfetto, chrome://tracing): one process per rank, its
+    compute spans on one thread, its all-reduces on as many threads as were in flight at once."""
+    t0 = min(a for spans in ranks for _, a, _, _ in spans)
+    events: list[dict] = []
+    for rank, spans in enumerate(ranks):
+        events += [
+            {"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}},
+            {"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}},
+            {"ph": "M", "name": "thread_name", "pid": rank, "tid": 0, "args": {"name": "compute"}},
+        ]
+        comm = sorted((s for s in spans if s[0] == "all-reduce"), key=lambda s: s[1])
+        lanes = all_reduce_lanes(comm)
+        for lane in range(max(lanes, default=-1) + 1):
+            events.append(
+                {"ph": "M", "name": "thread_name", "pid": rank, "tid": 1 + lane, "args": {"name": "all-reduce"}}
+            )
+        placed = [(s, 0) for s in spans if s[0] != "all-reduce"] + [
+            (s, 1 + lane) for s, lane in zip(comm, lanes, strict=True)
+        ]
+        for (name, a, b, args), tid in placed:
+            events.append(
+                {
+                    "name": name,
+                    "cat": "communication" if tid else "step" if name.startswith("step ") else "compute",
+                    "ph": "X",
+                    "ts": round((a - t0) * 1e6, 3),  # microseconds from the first span of any rank
+                    "dur": round((b - a) * 1e6, 3),
+                    "pid": rank,
+                    "tid": tid,
+                    "args": args,
+                }
+            )
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_trace(cfg: RunConfig, ranks: list[list[tuple[str, float, float, dict]]]) -> Path | None:
+    if not any(ranks):
+        return None  # stopped before the first step ended
+    path = cfg.output_dir / "trace.json"
+    atomic_write(path, json.dumps(chrome_trace(ranks)).encode())
+    return path
+
+
+PHASE_COLOURS = {
+    "data": "#b0b0b0",
+    "forward": "#4c72b0",
+    "backward": "#55a868",
+    "sync": "#dd8452",
+    "optimizer": "#8172b3",
+    "all-reduce": "#c44e52",
+}
+
+
+def write_timeline_plot(cfg: RunConfig, ranks: list[list[tuple[str, float, float, dict]]]) -> Path | None:
+    """The traced steps as a picture: a lane per rank, compute above, all-reduce below it."""
+    plt = import_pyplot()
+    if plt is None:
+        return None
+    t0 = min(a for spans in ranks for _, a, _, _ in spans)
+    fig, ax = plt.subplots(figsize=(11, 1.4 + 1.1 * len(ranks)), layout="constrained")
+    for rank, spans in enumerate(ranks):
+        top = len(ranks) - 1 - rank  # rank 0 on top
+        for name, a, b, _ in spans:
+            if name in PHASE_COLOURS and name != "all-reduce":
+                ax.broken_barh([(1000 * (a - t0), 1000 * (b - a))], (top + 0.5, 0.4), color=PHASE_COLOURS[name])
+            elif name.startswith("step "):
+                ax.axvline(1000 * (a - t0), color="black", lw=0.5, alpha=0.3)
+        comm = sorted((s for s in spans if s[0] == "all-reduce"), key=lambda s: s[1])
+        lanes = all_reduce_lanes(comm)
+        height = 0.4 / max(1, max(lanes, default=0) + 1)
+        for (_, a, b, _), lane in zip(comm, lanes, strict=True):
+            y = top + 0.5 - (lane + 1) * height
+            ax.broken_barh(
+                [(1000 * (a - t0), 1000 * (b - a))], (y, height * 0.9), color=PHASE_COLOURS["all-reduce"], alpha=0.8
+            )
+    ax.set_yticks([len(ranks) - 1 - r + 0.5 for r in range(len(ranks))], [f"rank {r}" for r in range(len(ranks))])
+    ax.set_ylim(0, len(ranks))
+    ax.set_xlabel("milliseconds (one clock for every rank)")
+    hidden = [h for h in map(hidden_fraction, ranks) if h is not None]
+    note = f"; all-reduce hidden behind backward: {100 * sum(hidden) / len(hidden):.0f}%" if hidden else ""
+    ax.set_title(f"{cfg.model} model, --ddp {cfg.ddp}, {cfg.bucket_mb:g} MiB buckets{note}", fontsize=10)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in PHASE_COLOURS.values()]
+    fig.legend(handles, list(PHASE_COLOURS), loc="outside lower center", ncol=len(PHASE_COLOURS), frameon=False)
+    path = cfg.output_dir / "timeline.png"
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
@@ -2640,6 +2933,15 @@ def peak_memory_per_rank(d: Dist) -> list[str]:
     ]
 
 
+def describe_overlap(ranks: list[list[tuple[str, float, float, dict]]]) -> str:
+    hidden = [hidden_fraction(spans) for spans in ranks]
+    if all(h is None for h in hidden):
+        return "none traced (one process: nothing to synchronise)"
+    per_rank = ", ".join(f"rank {r} {100 * h:.0f}%" for r, h in enumerate(hidden) if h is not None)
+    steps = sum(name.startswith("step ") for name, *_ in ranks[0])
+    return f"hidden behind backward {per_rank} of its time in flight (traced steps: {steps})"
+
+
 def print_summary(
     cfg: RunConfig, d: Dist, result: TrainResult, wall_seconds: float, outputs: list[Path], memory: list[str]
 ) -> None:
@@ -2657,6 +2959,7 @@ def print_summary(
         ("train loss", train_loss),
         ("val loss", f"{last_val['val_loss']:.4f} at step {last_val['step']}" if last_val else "- (no held-out lines)"),
         ("peak memory", "; ".join(memory)),
+        *([("all-reduce", describe_overlap(result.trace))] if result.trace else []),
         ("outputs", ", ".join(str(p) for p in outputs)),
     ]
     width = max(len(k) for k, _ in rows)
@@ -3248,6 +3551,8 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
         rank0_writes(d, "the metrics file", lambda: prepare_metrics_file(cfg, start), error=UsageError)
     result = train(cfg, d, kit, resume)
     step = result.progress.step
+    if cfg.trace_steps:  # also after a stop: the steps it traced are worth seeing
+        rank0_writes(d, "the trace", lambda: write_trace(cfg, result.trace))
     if result.stopped_by:
         rank0_writes(d, "the stop marker", lambda: write_stop_marker(cfg, step, result.stopped_by))
         again = "the same command resumes there" if cfg.resume == "auto" else "--resume auto resumes there"
@@ -3259,6 +3564,11 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
         history = result.progress.history
         plot = rank0_then_share(d, "could not write the loss plot", lambda: write_loss_plot(cfg, history))
         outputs += [plot] if plot else []
+    if cfg.trace_steps:
+        outputs += [cfg.output_dir / "trace.json"]
+    if cfg.plot and cfg.trace_steps:
+        picture = rank0_then_share(d, "could not draw the timeline", lambda: write_timeline_plot(cfg, result.trace))
+        outputs += [picture] if picture else []
     memory = peak_memory_per_rank(d)
     if d.is_main:
         kit.model.eval()

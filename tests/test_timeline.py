@@ -1,0 +1,160 @@
+"""--trace-steps: every rank's steps as a Chrome trace, on one clock, and the overlap it proves."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import TINY, assert_ok, launch, run_cmd, torchrun_cmd
+
+import llm_ddp_parallel_training as t
+
+SMALL_BUCKETS = [*TINY, "--n-layers", "2", "--bucket-mb", "0.01", "--max-steps", "4", "--log-every", "1"]
+PHASES = {"data", "forward", "backward", "optimizer"}
+
+
+def spans_by_rank(trace: dict) -> dict[int, list[dict]]:
+    ranks: dict[int, list[dict]] = {}
+    for e in trace["traceEvents"]:
+        if e["ph"] == "X":
+            ranks.setdefault(e["pid"], []).append(e)
+    return ranks
+
+
+def steps_of(spans: list[dict]) -> dict[int, list[dict]]:
+    """Each step's spans: those that start inside its "step K" span."""
+    out = {}
+    for s in spans:
+        if s["name"].startswith("step "):
+            end = s["ts"] + s["dur"]
+            out[int(s["name"].split()[1])] = [x for x in spans if s["ts"] <= x["ts"] <= end and x is not s]
+    return out
+
+
+def backward_end(step_spans: list[dict]) -> float:
+    return max(s["ts"] + s["dur"] for s in step_spans if s["name"] == "backward")
+
+
+@pytest.fixture(scope="module")
+def torch_ddp(tmp_path_factory):
+    out = tmp_path_factory.mktemp("trace")
+    metrics = out / "metrics.jsonl"
+    args = [*SMALL_BUCKETS, "--trace-steps", "3", "--plot", "--metrics-file", str(metrics), "--output-dir", str(out)]
+    run = launch(args, nproc=2)
+    assert_ok(run)
+    trace = json.loads((out / "trace.json").read_text())
+    return run, trace, [json.loads(line) for line in metrics.read_text().splitlines()], out
+
+
+def test_the_trace_names_one_process_per_rank(torch_ddp):
+    _, trace, _, _ = torch_ddp
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert names == {0: "rank 0", 1: "rank 1"}
+
+
+def test_every_traced_step_holds_each_phase_and_only_the_traced_steps_appear(torch_ddp):
+    _, trace, _, _ = torch_ddp
+    for rank, spans in spans_by_rank(trace).items():
+        steps = steps_of(spans)
+        assert sorted(steps) == [1, 2, 3], rank  # --trace-steps 3 of --max-steps 4
+        for k, inside in steps.items():
+            assert {s["name"] for s in inside} >= PHASES, (rank, k)
+            assert all(s["ph"] == "X" and s["dur"] >= 0 for s in inside)
+
+
+def test_each_bucket_all_reduce_is_a_span_with_its_index_bytes_and_dtype(torch_ddp):
+    _, trace, metrics, _ = torch_ddp
+    for rank, spans in spans_by_rank(trace).items():
+        for k, inside in steps_of(spans).items():
+            buckets = [s["args"] for s in inside if s["name"] == "all-reduce"]
+            assert all(set(b) == {"bucket", "bytes", "dtype"} and b["dtype"] == "float32" for b in buckets)
+            sent = next(m for m in metrics if m["step"] == k)  # what the comm hook counted, logged each step
+            assert len(buckets) == sent["allreduce_calls"], (rank, k)
+            assert sum(b["bytes"] for b in buckets) == sent["allreduce_bytes"], (rank, k)
+            assert sorted(b["bucket"] for b in buckets) == list(range(len(buckets)))
+        assert max(len([s for s in inside if s["name"] == "all-reduce"]) for inside in steps_of(spans).values()) > 2
+
+
+def test_with_several_buckets_an_all_reduce_starts_before_backward_ends_on_every_rank(torch_ddp):
+    """The overlap DDP exists for: buckets go on the wire while backward still computes."""
+    _, trace, _, _ = torch_ddp
+    for rank, spans in spans_by_rank(trace).items():
+        for k, inside in steps_of(spans).items():
+            if k == 1:
+                continue  # torch's DDP sends the whole first step as one bucket, then rebuilds them
+            starts = [s["ts"] for s in inside if s["name"] == "all-reduce"]
+            assert min(starts) < backward_end(inside), (rank, k)
+
+
+def test_ranks_share_one_clock_so_their_steps_overlap(torch_ddp):
+    # Every step opens with an all-reduce of the token counts: no rank can finish step k before
+    # the others have started it, so on one clock the "step k" spans of all ranks intersect.
+    _, trace, _, _ = torch_ddp
+    by_rank = spans_by_rank(trace)
+    for k in (1, 2, 3):
+        spans = [next(s for s in by_rank[r] if s["name"] == f"step {k}") for r in (0, 1)]
+        assert max(s["ts"] for s in spans) < min(s["ts"] + s["dur"] for s in spans), k
+
+
+def test_the_summary_reports_the_hidden_fraction_and_plot_draws_the_timeline(torch_ddp):
+    run, _, _, out = torch_ddp
+    assert "all-reduce   hidden behind backward rank 0 " in run.stdout, run.stdout
+    assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_manual_ddp_traces_every_bucket_it_launches(tmp_path):
+    run = launch([*SMALL_BUCKETS, "--ddp", "manual", "--trace-steps", "2", "--output-dir", str(tmp_path)], nproc=2)
+    assert_ok(run)
+    for rank, spans in spans_by_rank(json.loads((tmp_path / "trace.json").read_text())).items():
+        for k, inside in steps_of(spans).items():
+            launched = sorted(s["args"]["bucket"] for s in inside if s["name"] == "all-reduce")
+            assert len(launched) > 2 and launched == list(range(len(launched))), (rank, k)
+            assert min(s["ts"] for s in inside if s["name"] == "all-reduce") < backward_end(inside)
+
+
+def test_one_process_traces_its_steps_with_no_all_reduce(tmp_path):
+    run = launch([*TINY, "--max-steps", "3", "--trace-steps", "2", "--output-dir", str(tmp_path)])
+    assert_ok(run)
+    spans = spans_by_rank(json.loads((tmp_path / "trace.json").read_text()))
+    assert list(spans) == [0]
+    assert sorted(steps_of(spans[0])) == [1, 2]
+    assert not [s for s in spans[0] if s["name"] == "all-reduce"]
+    assert "none traced (one process: nothing to synchronise)" in run.stdout
+
+
+CLOCK_PROBE = """
+import sys, time
+import torch, torch.distributed as dist
+import llm_ddp_parallel_training as t
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+d = t.Dist(rank, rank, world, world, torch.device("cpu"), "gloo", "probe")
+print("SAME_MACHINE", rank, t.clock_offsets(d)[rank], flush=True)
+real = time.perf_counter
+time.perf_counter = lambda: real() + 1000.0 * rank  # rank r's clock runs r x 1000 s ahead
+print("SKEWED", rank, t.clock_offsets(d)[rank], flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_clock_alignment_recovers_a_skew_between_ranks(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(CLOCK_PROBE)
+    run = run_cmd(torchrun_cmd(2, [], script=probe), 60)
+    assert_ok(run)
+    found = {(kind, int(r)): float(v) for kind, r, v in (line.split() for line in run.stdout.splitlines())}
+    assert found[("SKEWED", 0)] == 0.0
+    assert found[("SKEWED", 1)] == pytest.approx(-1000.0, abs=0.005)  # within 5 ms
+    assert abs(found[("SAME_MACHINE", 1)]) < 0.005  # one machine, one monotonic clock: about 0
+
+
+def test_hidden_fraction_counts_in_flight_time_under_backward_once():
+    spans = [
+        ("backward", 0.0, 10.0, {}),
+        ("all-reduce", 4.0, 8.0, {}),  # hidden
+        ("all-reduce", 6.0, 12.0, {}),  # overlaps the first: 8..10 hidden, 10..12 waited for
+        ("backward", 20.0, 30.0, {}),
+    ]
+    assert t.hidden_fraction(spans) == pytest.approx(6 / 8)
+    assert t.hidden_fraction([("backward", 0.0, 1.0, {})]) is None
