@@ -129,6 +129,7 @@ class RunConfig:
     eval_every: int
     progress: str
     metrics_file: Path | None
+    log_every: int
     plot: bool
     time_breakdown: bool
     trace_steps: int
@@ -151,8 +152,7 @@ class RunConfig:
     cpu: bool
     timeout_s: float
     nproc: int
-    # reporting
-    log_every: int
+    # sample
     prompt: str
     sample_tokens: int
 
@@ -171,9 +171,22 @@ FAULT_KINDS = ("kill", "raise", "nan", "desync", "save", "hang")
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, **kwargs: object) -> None:
+        # Flag names are an interface: with prefix matching, a typo like --max-step would quietly
+        # mean --max-steps while --max-stpes is refused. Every misspelling is refused alike.
+        super().__init__(allow_abbrev=False, **kwargs)
+
     # argparse prints a usage wall and exits; every rank would do it. Raise instead, report once.
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(message)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    # A default of None is decided later (its help says how); False is an unset switch.
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _positive_int(text: str) -> int:
@@ -246,7 +259,7 @@ def _name_list(text: str) -> tuple[str, ...]:
 def build_arg_parser() -> argparse.ArgumentParser:
     p = _Parser(
         description="Train a byte-level causal Transformer with DistributedDataParallel.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     g = p.add_argument_group("run")
     g.add_argument(
@@ -301,7 +314,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--lora-r", type=_positive_int, default=8, help="rank of the low-rank update B @ A")
     g.add_argument("--lora-alpha", type=_positive_float, default=16.0, help="update scale is alpha / r")
     g.add_argument("--lora-dropout", type=_probability, default=0.05, help="dropout on the adapter input")
-    g.add_argument("--lora-targets", type=_name_list, default=("q_proj", "v_proj"), help="linear layers to adapt")
+    g.add_argument(
+        "--lora-targets", type=_name_list, default="q_proj,v_proj", help="linear layers to adapt, comma-separated"
+    )
     g.add_argument(
         "--dtype",
         choices=["auto", "float32", "bfloat16", "float16"],
@@ -360,6 +375,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--progress", choices=["auto", "bar", "plain"], default="auto", help="auto: a bar on a terminal, else log lines"
     )
+    g.add_argument("--log-every", type=_positive_int, default=25, help="steps between log lines")
     g.add_argument("--metrics-file", type=Path, default=None, help="append one JSON object per logged step")
     g.add_argument("--plot", action="store_true", help="write OUTPUT_DIR/loss.png at the end (needs matplotlib)")
     g.add_argument(
@@ -419,7 +435,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
         type=_non_negative_int,
         default=0,
         metavar="N",
-        help="full training state every N steps and at the end",
+        help="full training state every N steps and at the end (0: off)",
     )
     g.add_argument("--keep-last", type=_positive_int, default=2, metavar="K", help="how many checkpoints to keep")
     g.add_argument(
@@ -448,8 +464,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
         help="how long a collective may wait for the other ranks",
     )
 
-    g = p.add_argument_group("reporting")
-    g.add_argument("--log-every", type=_positive_int, default=25, help="steps between log lines")
+    g = p.add_argument_group("sample")
     g.add_argument("--prompt", default="Each rank", help="text the trained model continues")
     g.add_argument("--sample-tokens", type=_positive_int, default=120, help="length of the sample")
     return p
@@ -1894,6 +1909,13 @@ class ManualDDP(nn.Module):
         return self.module(*args, **kwargs)
 
 
+def describe_gradient_sync(cfg: RunConfig, d: Dist) -> str:
+    if not d.distributed:
+        return "none (one process: its gradient is already the whole batch's)"
+    wrapper = "torch DDP" if cfg.ddp == "torch" else "manual DDP (from scratch)"
+    return f"{wrapper}, {cfg.bucket_mb:g} MiB buckets" + (", sent as bf16" if cfg.grad_compression == "bf16" else "")
+
+
 def wrap_data_parallel(model: nn.Module, cfg: RunConfig, d: Dist, stats: CommStats) -> nn.Module:
     if not d.distributed:
         return model  # one plain process: nothing to synchronise
@@ -2279,7 +2301,7 @@ class Progress:
 
     step: int = 0  # optimizer steps completed
     tokens_seen: int = 0  # real (non-padding) target tokens trained on, all ranks
-    history: list[dict[str, float]] = field(default_factory=list)  # one entry per logged step
+    history: list[dict[str, float]] = field(default_factory=list)  # every step's loss (and val loss)
 
 
 @dataclass
@@ -2422,9 +2444,9 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None) -> TrainR
     log(d, f"[run] {len(sampler)} examples per rank per epoch = {steps_per_epoch} steps per epoch")
     log(
         d,
-        f"[run] gradient sync: {'torch DDP' if cfg.ddp == 'torch' else 'manual DDP (from scratch)'}, "
-        f"{cfg.bucket_mb:g} MiB buckets; loss: {cfg.loss_normalization}; optimizer: {cfg.optimizer}, "
-        f"lr {cfg.lr:g} (warmup {cfg.warmup_steps}, cosine to {cfg.min_lr:g}); precision {precision}",
+        f"[run] gradient sync: {describe_gradient_sync(cfg, d)}; loss: {cfg.loss_normalization}; "
+        f"optimizer: {cfg.optimizer}, lr {cfg.lr:g} (warmup {cfg.warmup_steps}, cosine to {cfg.min_lr:g}); "
+        f"precision {precision}",
     )
     if cfg.inspect:
         print_in_rank_order(d, describe_shards(d, sampler))
@@ -2720,6 +2742,7 @@ class Reporter:
         self.seconds += seconds
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
+        self.progress.history.append({k: metrics[k] for k in ("step", "loss", "val_loss") if k in metrics})
         if not (step % cfg.log_every == 0 or step in (1, cfg.max_steps) or "val_loss" in metrics):
             return
         speed = self.window_tokens / self.window_seconds
@@ -2733,7 +2756,6 @@ class Reporter:
         self.window_tokens, self.window_seconds, self.window_steps = 0, 0.0, 0
         if self.peak:
             record["mfu"] = speed * self.flops_per_token / (self.peak * self.d.world_size)
-        self.progress.history.append({k: record[k] for k in ("step", "loss", "val_loss") if k in record})
         if not self.d.is_main:
             return
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{speed:,.0f}")
@@ -2795,10 +2817,11 @@ def write_loss_plot(cfg: RunConfig, history: list[dict[str, float]]) -> Path | N
     if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([h["step"] for h in history], [h["loss"] for h in history], label="train loss (global batch)")
+    steps, losses = [h["step"] for h in history], [h["loss"] for h in history]
+    ax.plot(steps, losses, lw=0.8, label="train loss, every step (global batch)")
     val = [h for h in history if "val_loss" in h]
     if val:
-        ax.plot([h["step"] for h in val], [h["val_loss"] for h in val], "o-", label="validation loss")
+        ax.plot([h["step"] for h in val], [h["val_loss"] for h in val], "o-", zorder=3, label="validation loss")
     ax.set(xlabel="optimizer step", ylabel="cross-entropy (nats per token)", title=f"{cfg.model} model")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -3058,10 +3081,63 @@ def prepare_outputs(cfg: RunConfig) -> None:
     cfg.output_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryFile(dir=cfg.output_dir):
         pass
+    OUTPUT_LOCK.hold(cfg.output_dir)
     if cfg.metrics_file:
         read_metrics_records(cfg.metrics_file)  # refuses a folder or another program's file now
         cfg.metrics_file.parent.mkdir(parents=True, exist_ok=True)
         cfg.metrics_file.touch()
+
+
+class OutputLock:
+    """One run per output folder: rank 0 holds OUTPUT_DIR/run.lock for as long as it lives.
+
+    Two runs writing into one folder would overwrite each other's model and metrics, share
+    checkpoints, and --resume auto could continue the other run's. The lock is the operating
+    system's (flock; on Windows a locked byte), so it ends with the process however it ends,
+    SIGKILL included: a leftover run.lock that nobody holds means nothing. A torchrun restart's
+    new rank 0 takes it over from the dead one. The file's text names the holder.
+    """
+
+    def __init__(self) -> None:
+        self.file: io.TextIOWrapper | None = None  # open for the process's lifetime: the lock lives with it
+
+    def hold(self, folder: Path) -> None:
+        if self.file is not None:
+            return
+        f = open(folder / "run.lock", "a+", encoding="utf-8")  # noqa: SIM115 (held, not closed)
+        try:
+            lock_file(f)
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip() or "a run that has not yet said who it is"
+            f.close()
+            raise UsageError(
+                f"{folder} is in use by another run ({holder}): give this run its own --output-dir, "
+                "or wait for that one to end"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        started = time.strftime("%Y-%m-%d %H:%M:%S")
+        f.write(f"host {socket.gethostname()}, pid {os.getpid()}, started {started}\n")
+        f.flush()
+        self.file = f
+
+
+def lock_file(f: io.TextIOWrapper) -> None:
+    """Take the operating system's lock on f now, or raise OSError if another process has it."""
+    if sys.platform == "win32":
+        import msvcrt
+
+        f.seek(LOCKED_BYTE)  # a byte past the holder's text, which others must still read
+        msvcrt.locking(f.fileno(), msvcrt.LK_NBLCK, 1)
+    else:
+        import fcntl
+
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+LOCKED_BYTE = 4096
+OUTPUT_LOCK = OutputLock()
 
 
 METRICS_RECORD_START = b'{"step": '  # every record opens so (json.dumps keeps the key order)
@@ -3520,6 +3596,7 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
     log(d, f"[connect] backend {d.backend or 'none'} on {d.device}: {d.why}")
     if rank0_then_share(d, "could not read the stop marker", lambda: stopped_in_an_earlier_attempt(cfg)):
         log(d, "[stop] torchrun restarted the job after a requested stop: it stays stopped; run it again to resume")
+        tell_torchrun("stopped on request in an earlier attempt (exit code 3): run the command again to resume")
         raise SystemExit(EXIT_STOPPED)
     if d.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = cfg.tf32  # fp32 matmuls on tensor cores: ~10 bits of mantissa
@@ -3557,6 +3634,7 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
         rank0_writes(d, "the stop marker", lambda: write_stop_marker(cfg, step, result.stopped_by))
         again = "the same command resumes there" if cfg.resume == "auto" else "--resume auto resumes there"
         log(d, f"[stop] {result.stopped_by}: every rank stopped after step {step}; {again}")
+        tell_torchrun(f"stopped cleanly by {result.stopped_by} after step {step}, checkpoint written (exit code 3)")
         raise SystemExit(EXIT_STOPPED)
     outputs = [cfg.output_dir / kit.final_name]
     rank0_writes(d, kit.final_label, lambda: kit.save_final(kit.model, step))
@@ -3632,6 +3710,23 @@ def report_error(message: str, every_rank: bool = False) -> None:
     # torchrun did not start (whatever its LOCAL_RANK says) has no one to speak for it.
     if every_rank or os.environ.get("LOCAL_RANK", "0") == "0" or "TORCHELASTIC_RUN_ID" not in os.environ:
         print(f"error: {message}", file=sys.stderr, flush=True)
+    tell_torchrun(f"error: {message}")
+
+
+def tell_torchrun(line: str) -> None:
+    """Leave the line in this rank's error file, where torchrun looks for why a rank failed.
+
+    torchrun ends its failure report with the first failed rank's error file as the "root cause";
+    without one it says only "To enable traceback see: ...". @record writes that file for an
+    uncaught exception, never for a chosen exit, so each rank writes its own line here, in the
+    same JSON shape.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    info = {"py_callstack": line, "timestamp": str(int(time.time()))}
+    with contextlib.suppress(OSError):
+        Path(path).write_text(json.dumps({"message": {"message": line, "extraInfo": info}}))
 
 
 @record  # a rank's uncaught exception is written where torchrun can show it as the root cause

@@ -198,3 +198,18 @@ def test_a_byte_order_mark_is_not_trained_on(tmp_path):
     path = tmp_path / "bom.txt"
     path.write_bytes("\ufeffFirst line\nSecond line\n".encode())
     assert t.read_corpus_lines(path) == ["First line", "Second line"]
+
+
+def test_a_misspelt_flag_is_refused_even_when_it_is_a_prefix_of_a_real_one():
+    # argparse's prefix matching would take --max-step for --max-steps and train on silently.
+    for typo in ("--max-step", "--max-stpes"):
+        run = launch([*TINY, typo, "3"])
+        assert_one_clear_error(run, f"unrecognized arguments: {typo} 3", None)
+
+
+def test_under_torchrun_the_root_cause_torchrun_reports_is_the_clear_line(tmp_path):
+    run = launch([*TINY, "--corpus-file", str(tmp_path / "nope.txt")], nproc=2)
+    assert_one_clear_error(run, "corpus file not found", 2)
+    root_cause = run.stderr.split("Root Cause (first observed failure):")[1]
+    assert f"traceback : error: corpus file not found: {tmp_path / 'nope.txt'}" in root_cause, run.stderr
+    assert run.returncode == 1  # torchrun's own code for "a rank failed"; the rank's 2 is in its report

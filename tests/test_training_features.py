@@ -194,3 +194,22 @@ def test_epochs_set_the_runs_length_and_the_schedule_spans_it(tmp_path):
     capped = launch([*TINY, "--epochs", "2", "--max-steps", "3", "--output-dir", str(tmp_path / "capped")], nproc=2)
     assert_ok(capped)
     assert "= 3 steps, capped by --max-steps 3" in capped.stdout
+
+
+def test_the_loss_plot_follows_every_step_not_only_the_logged_ones(tmp_path):
+    args = [*TINY, "--max-steps", "12", "--log-every", "100", "--eval-every", "6", "--save-every", "12", "--plot"]
+    run = launch([*args, "--output-dir", str(tmp_path)])
+    assert_ok(run)
+    assert len(run.losses()) == 3  # logged: steps 1, 6 (an evaluation) and 12
+    state = torch.load(tmp_path / "checkpoints" / "step_00000012" / "state.pt", weights_only=True)
+    history = state["progress"]["history"]  # what write_loss_plot draws
+    assert [h["step"] for h in history] == list(range(1, 13))
+    assert [h["step"] for h in history if "val_loss" in h] == [6, 12]
+    assert (tmp_path / "loss.png").exists()
+
+
+def test_one_process_says_it_synchronises_nothing(tmp_path):
+    run = launch([*TINY, "--max-steps", "1", "--output-dir", str(tmp_path)])
+    assert_ok(run)
+    assert "[run] gradient sync: none (one process" in run.stdout
+    assert "MiB buckets" not in run.stdout

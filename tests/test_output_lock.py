@@ -1,0 +1,46 @@
+"""One run per output folder: a second run into a held folder stops at once and names the holder."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from conftest import SCRIPT, TINY, assert_ok, child_env, launch
+
+
+def start_long_run(out):
+    cmd = [sys.executable, str(SCRIPT), *TINY, "--max-steps", "100000", "--output-dir", str(out)]
+    proc = subprocess.Popen(cmd, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while f"pid {proc.pid}" not in ((out / "run.lock").read_text() if (out / "run.lock").exists() else ""):
+        assert proc.poll() is None and time.monotonic() < deadline, "the first run never took the folder"
+        time.sleep(0.2)
+    return proc
+
+
+def test_a_second_run_into_a_held_folder_stops_at_once_naming_the_holder(tmp_path):
+    first = start_long_run(tmp_path)
+    try:
+        second = launch([*TINY, "--max-steps", "2", "--output-dir", str(tmp_path)], nproc=2, timeout=60)
+    finally:
+        first.kill()
+        first.wait()
+    errors = [line for line in second.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, second.stderr
+    assert f"host {socket.gethostname()}, pid {first.pid}" in errors[0]
+    assert "--output-dir" in errors[0]
+    assert "exitcode  : 2" in second.stderr and second.seconds < 30
+    assert not (tmp_path / "tiny_transformer.pt").exists()
+
+
+def test_a_killed_run_leaves_no_lock_behind(tmp_path):
+    first = start_long_run(tmp_path)
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    assert (tmp_path / "run.lock").exists()  # the file stays; the operating system's lock went with the process
+    assert_ok(launch([*TINY, "--max-steps", "2", "--output-dir", str(tmp_path)]))
+    assert_ok(launch([*TINY, "--max-steps", "2", "--output-dir", str(tmp_path)]))  # a finished run holds nothing
