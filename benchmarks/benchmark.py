@@ -3,6 +3,10 @@
     python benchmarks/benchmark.py            # the full measurement: a few minutes on 2 CPU cores
     python benchmarks/benchmark.py --smoke    # every measurement once, small and short: checks the harness
 
+The runs write into a temp folder, removed at the end, also when a run fails or the benchmark is
+stopped (Ctrl-C, SIGTERM); --keep-outputs keeps it and prints its path, and --out DIR writes into
+DIR instead, which is never removed.
+
 What it measures (ratios as well as absolute numbers: shared machines are noisy, so every timing
 is the median of --repeats runs, and the runs being compared alternate):
 
@@ -24,6 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -53,9 +59,45 @@ def command(args: list[str], nproc: int | None) -> list[str]:
     return [sys.executable, str(SCRIPT), *args]
 
 
+# Every child process, so that a failure or a stop can end the ones still running before their
+# output folder is removed (a torchrun killed outright would leave its ranks running, writing).
+CHILDREN: list[subprocess.Popen] = []
+
+
+def spawn(cmd: list[str], **popen: object) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, env=child_env(), **popen)
+    CHILDREN.append(proc)
+    return proc
+
+
+def run_child(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True), with the child recorded in CHILDREN."""
+    proc = spawn(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"benchmark run timed out after {timeout:.0f} s: {' '.join(cmd)}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def stop_children(grace: float = 30) -> None:
+    """End every child still running: SIGTERM first (torchrun passes it on to its ranks and waits
+    for them; the script stops cleanly), SIGKILL for any still there after `grace` seconds."""
+    alive = [proc for proc in CHILDREN if proc.poll() is None]
+    for proc in alive:
+        proc.terminate()
+    deadline = time.monotonic() + grace
+    for proc in alive:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def launch(args: list[str], nproc: int | None, timeout: float = 900) -> str:
     cmd = command(args, nproc)
-    done = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=timeout)
+    done = run_child(cmd, timeout)
     if done.returncode:
         raise SystemExit(f"benchmark run failed: {' '.join(cmd)}\n{done.stdout}\n{done.stderr}")
     return done.stdout
@@ -116,7 +158,7 @@ def independent_pair_speed(steps: int, extra: list[str], out: Path) -> float:
     cores are busy (shared caches and memory, a VM's neighbours).
     """
     runs = [(speed_args(steps, extra, out / f"pair{i}", out / f"pair{i}.jsonl"), out / f"pair{i}.jsonl") for i in "ab"]
-    procs = [subprocess.Popen(command(args, 1), stdout=subprocess.DEVNULL, env=child_env()) for args, _ in runs]
+    procs = [spawn(command(args, 1), stdout=subprocess.DEVNULL) for args, _ in runs]
     if any(proc.wait(timeout=900) for proc in procs):
         raise SystemExit("benchmark run failed: two independent 1-process runs")
     return sum(read_speed(metrics)["tokens_per_sec"] for _, metrics in runs)
@@ -139,7 +181,7 @@ def allreduce_ms(numel: int) -> dict[str, float]:
     """One all-reduce of `numel` gradients between 2 Gloo ranks, alone: the median of 20, in ms."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
            "--allreduce-worker", str(numel)]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=300)
+    done = run_child(cmd, timeout=300)
     if done.returncode:
         raise SystemExit(f"all-reduce run failed:\n{done.stdout}\n{done.stderr}")
     return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))
@@ -183,7 +225,7 @@ def seconds_to_first_step(nproc: int | None, extra: list[str], out: Path) -> flo
     """From launch (a fresh interpreter, imports included) to the first step's log line."""
     cmd = command(["--cpu", "--max-steps", "2", "--val-fraction", "0", "--output-dir", str(out), *extra], nproc)
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=child_env())
+    proc = spawn(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     seconds = None
     for line in proc.stdout:
         if seconds is None and line.startswith("step     1/"):
@@ -229,7 +271,7 @@ def compare_with_trainer(steps: int, repeats: int, batch: int, seq_len: int, out
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                str(REPO / "benchmarks" / "trainer_baseline.py"), "--model", str(model_dir),
                "--out", str(out / "trainer"), *flags]  # fmt: skip
-        done = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=900)
+        done = run_child(cmd, timeout=900)
         if done.returncode:
             raise SystemExit(f"Trainer run failed:\n{done.stdout}\n{done.stderr}")
         report = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("result: "))[8:])
@@ -251,22 +293,55 @@ def compare_with_trainer(steps: int, repeats: int, batch: int, seq_len: int, out
 # ---- the report -----------------------------------------------------------------------------
 
 
+def stop_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds like Ctrl-C does, so the clean-up below runs
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="one short repeat of everything, small sizes")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", type=Path, default=None, help="keep the runs' outputs here (default: a temp folder)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="write the runs' outputs and results.json here, and keep them (default: a temp folder)",
+    )
+    p.add_argument(
+        "--keep-outputs",
+        action="store_true",
+        help="keep the temp folder (removed by default, also on failure or Ctrl-C) and print its path",
+    )
     p.add_argument("--allreduce-worker", type=int, default=0, help=argparse.SUPPRESS)  # a rank of allreduce_ms
     args = p.parse_args()
     if args.allreduce_worker:
         return allreduce_worker(args.allreduce_worker)
-    smoke = args.smoke
-    repeats = 1 if smoke else args.repeats
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
+    out = args.out or Path(tempfile.mkdtemp(prefix="ddp-benchmark-"))
+    remove = args.out is None and not args.keep_outputs  # a folder the user named is never removed
+    done = False
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        measure(out, args.smoke, 1 if args.smoke else args.repeats)
+        done = True
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a repeated SIGTERM must not cut the clean-up short
+        stop_children()
+        if remove:
+            shutil.rmtree(out, ignore_errors=True)
+            if done:
+                print("\nthe runs' outputs and results.json were in a temp folder, now removed "
+                      "(--keep-outputs or --out DIR keeps them)")  # fmt: skip
+        elif done:
+            print(f"\nraw results: {out / 'results.json'}\noutputs kept in {out}")
+        else:
+            print(f"outputs so far kept in {out}", file=sys.stderr)
+
+
+def measure(out: Path, smoke: bool, repeats: int) -> None:
     tiny = ["--d-model", "64", "--n-heads", "2", "--batch-size", "4"] if smoke else []
     steps = 12 if smoke else 60
-    out = args.out or Path(tempfile.mkdtemp(prefix="ddp-benchmark-"))
-    out.mkdir(parents=True, exist_ok=True)
-
     sizes, reps = ((256,), 3) if smoke else ((512, 1024, 2048), 20)
     peak = gemm_peak(sizes, reps)
     scaling = measure_scaling(steps, repeats, tiny, out / "tiny")
@@ -324,7 +399,6 @@ def main() -> None:
                "gemm_peak": peak, "flops_per_token": fpt, "startup_one": startup_one,
                "startup_two": startup_two, "trainer": trainer, "tiny_memory": tiny_memory}  # fmt: skip
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    print(f"\nraw results: {out / 'results.json'}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,84 @@
+"""benchmarks/benchmark.py cleans up after itself: its temp folder and its child processes."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, child_env
+
+BENCHMARK = REPO / "benchmarks" / "benchmark.py"
+
+
+def start_benchmark(tmp: Path, *flags: str) -> subprocess.Popen:
+    # TMPDIR: the benchmark's temp folder (and torchrun's) lands in tmp, where the test can list it.
+    return subprocess.Popen(
+        [sys.executable, str(BENCHMARK), "--smoke", *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env({"TMPDIR": str(tmp)}),
+        start_new_session=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"benchmark still running after {timeout}s\n--- stdout\n{out}\n--- stderr\n{err}")
+
+
+def benchmark_folders(tmp: Path) -> list[Path]:
+    return sorted(tmp.glob("ddp-benchmark-*"))
+
+
+def processes_mentioning(text: str) -> list[str]:
+    """Command lines of live processes that name `text` (a run's output folder)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # the process ended while we looked
+            continue
+        if text in args:
+            found.append(args)
+    return found
+
+
+@pytest.mark.timeout(300)
+def test_smoke_run_removes_its_temp_folder(tmp_path):
+    proc = start_benchmark(tmp_path)
+    out, err = finish(proc, timeout=240)
+    assert proc.returncode == 0, f"--- stdout\n{out}\n--- stderr\n{err}"
+    assert "| scaling, 2 ranks vs 1" in out
+    assert "now removed (--keep-outputs or --out DIR keeps them)" in out
+    assert benchmark_folders(tmp_path) == []
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="lists processes through /proc")
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("keep", [False, True], ids=["default", "keep-outputs"])
+def test_a_stopped_benchmark_ends_its_runs_and_removes_its_folder_unless_kept(tmp_path, keep):
+    proc = start_benchmark(tmp_path, *(["--keep-outputs"] if keep else []))
+    # Stop it while the first training run writes into the folder.
+    deadline = time.monotonic() + 90
+    while not any((folder / "tiny").exists() for folder in benchmark_folders(tmp_path)):
+        assert proc.poll() is None, finish(proc, timeout=10)
+        assert time.monotonic() < deadline, "the benchmark never started its first training run"
+        time.sleep(0.2)
+    (folder,) = benchmark_folders(tmp_path)
+    proc.send_signal(signal.SIGTERM)
+    out, err = finish(proc, timeout=90)
+    assert proc.returncode == 128 + signal.SIGTERM, f"--- stdout\n{out}\n--- stderr\n{err}"
+    assert processes_mentioning(str(folder)) == []  # its training runs ended with it
+    if keep:
+        assert folder.is_dir() and f"outputs so far kept in {folder}" in err
+    else:
+        assert benchmark_folders(tmp_path) == []
