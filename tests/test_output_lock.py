@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from conftest import SCRIPT, TINY, assert_ok, child_env, launch
 
 
@@ -17,7 +18,9 @@ def start_long_run(out):
     proc = subprocess.Popen(cmd, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while f"pid {proc.pid}" not in ((out / "run.lock").read_text() if (out / "run.lock").exists() else ""):
-        assert proc.poll() is None and time.monotonic() < deadline, "the first run never took the folder"
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("the first run never took the folder")
         time.sleep(0.2)
     return proc
 
