@@ -9,9 +9,10 @@ One file, read top to bottom, follows one training run:
                      a disjoint slice of each epoch
     5. Models        a byte-level Transformer from scratch, or Qwen2.5 with LoRA adapters
     6. Sync          DDP all-reduces the gradients during backward (torch's, or one from scratch)
-    7. Check         replicas verified identical (--verify-sync); the learner's report (--inspect)
+    7. Check         replicas verified identical (--verify-sync); the learner's report (--inspect);
+                     every rank's timeline of compute and all-reduce (--trace-steps)
     8. Train         one loop for both models: forward, backward, sync, clip, step
-    9. Evaluate      held-out loss, progress, metrics, plot, summary
+    9. Evaluate      held-out loss, progress, metrics, plots, the trace file, summary
    10. Save          rank 0 alone writes while the others wait at a barrier; checkpoints and resume
    11. Main          the stages in order, and one clear exit on every path
 
@@ -1957,7 +1958,7 @@ def finish_gradient_sync(model: nn.Module) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# 7. Check: replica fingerprints (--verify-sync) and the learner's report (--inspect)
+# 7. Check: replica fingerprints (--verify-sync), the learner's report (--inspect), the timeline (--trace-steps)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -2633,7 +2634,7 @@ def report_inspect_step(
 
 
 # ----------------------------------------------------------------------------------------------
-# 9. Evaluate and report: held-out loss, the progress bar or log lines, metrics, plot, summary
+# 9. Evaluate and report: held-out loss, the progress bar or log lines, metrics, plots, the trace file, summary
 # ----------------------------------------------------------------------------------------------
 
 
@@ -2962,7 +2963,7 @@ def describe_overlap(ranks: list[list[tuple[str, float, float, dict]]]) -> str:
         return "none traced (one process: nothing to synchronise)"
     per_rank = ", ".join(f"rank {r} {100 * h:.0f}%" for r, h in enumerate(hidden) if h is not None)
     steps = sum(name.startswith("step ") for name, *_ in ranks[0])
-    return f"hidden behind backward {per_rank} of its time in flight (traced steps: {steps})"
+    return f"hidden behind backward: {per_rank} of the time a bucket was in flight ({steps} traced steps)"
 
 
 def print_summary(
