@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import functools
 import gc
 import hashlib
@@ -1719,9 +1720,13 @@ def load_pretrained(cfg: RunConfig, d: Dist, dtype: torch.dtype) -> tuple[PreTra
 
 
 def first_line(error: BaseException) -> str:
-    text = str(error).strip()
+    text = str(error).strip().removeprefix(CALLBACK_WRAPPER)
     # Gloo appends advice ("This is typically caused by...") that buries the fact itself.
     return text.splitlines()[0].split(" This is typically")[0] if text else type(error).__name__
+
+
+# How torch words an error that reaches a future through a .then() callback (--trace-steps adds one).
+CALLBACK_WRAPPER = "Got the following error when running the callback: RuntimeError: "
 
 
 def attention_width(config: object) -> int:
@@ -2066,8 +2071,8 @@ class Timeline:
     there is no Timeline at all.
     """
 
-    def __init__(self, steps: int, device: torch.device) -> None:
-        self.steps, self.cuda = steps, device.type == "cuda"
+    def __init__(self, last_step: int, device: torch.device) -> None:
+        self.last_step, self.cuda = last_step, device.type == "cuda"
         self.on, self.step = False, 0  # recording the current step, and which
         self.spans: list[tuple[str, float, float, dict]] = []  # (name, start, end, args), seconds
         self.pending: list[tuple[str, object, object, dict]] = []  # this step's, marks unresolved
@@ -2090,7 +2095,7 @@ class Timeline:
         return host + event.elapsed_time(mark) / 1000
 
     def begin_step(self, step: int) -> None:
-        self.on, self.pending, self.step = step <= self.steps, [], step
+        self.on, self.pending, self.step = step <= self.last_step, [], step
         if self.on and self.cuda:
             torch.cuda.synchronize()
             self.anchor = (time.perf_counter(), self.now())
@@ -2129,10 +2134,15 @@ class Timeline:
         self.on, self.pending = False, []
 
 
-def start_timeline(cfg: RunConfig, d: Dist, params: list[nn.Parameter]) -> Timeline | None:
+def start_timeline(cfg: RunConfig, d: Dist, params: list[nn.Parameter], first_step: int) -> Timeline | None:
+    """The first --trace-steps steps of this attempt (a resumed run traces from where it resumed).
+
+    Call it before the DDP wrapper hooks the parameters: hooks run in the order they were
+    registered, so the last gradient is stamped before the wrapper launches the last bucket.
+    """
     if not cfg.trace_steps:
         return None
-    timeline = Timeline(cfg.trace_steps, d.device)
+    timeline = Timeline(first_step + cfg.trace_steps, d.device)
     for p in params:
         p.register_post_accumulate_grad_hook(timeline.gradient_ready)
     return timeline
@@ -2429,9 +2439,9 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None) -> TrainR
     named_params = [(n, p) for n, p in kit.model.named_parameters() if p.requires_grad]
     params = [p for _, p in named_params]
     stats = CommStats(named_params, compress=cfg.grad_compression == "bf16")
-    model = wrap_data_parallel(kit.trained, cfg, d, stats)
-    stats.timeline = timeline = start_timeline(cfg, d, params)
+    stats.timeline = timeline = start_timeline(cfg, d, params, resume["progress"]["step"] if resume else 0)
     offsets = clock_offsets(d) if timeline else []
+    model = wrap_data_parallel(kit.trained, cfg, d, stats)
     optimizer = make_optimizer(cfg, params)
     precision = choose_precision(cfg, d)
     # fp16 needs loss scaling: small gradients would underflow to zero. bf16 has fp32's range.
@@ -2959,8 +2969,10 @@ def peak_memory_per_rank(d: Dist) -> list[str]:
 
 def describe_overlap(ranks: list[list[tuple[str, float, float, dict]]]) -> str:
     hidden = [hidden_fraction(spans) for spans in ranks]
+    if len(ranks) == 1:
+        return "none (one process: nothing to synchronise)"
     if all(h is None for h in hidden):
-        return "none traced (one process: nothing to synchronise)"
+        return "none traced (no traced step synchronised gradients)"
     per_rank = ", ".join(f"rank {r} {100 * h:.0f}%" for r, h in enumerate(hidden) if h is not None)
     steps = sum(name.startswith("step ") for name, *_ in ranks[0])
     return f"hidden behind backward: {per_rank} of the time a bucket was in flight ({steps} traced steps)"
@@ -3082,7 +3094,6 @@ def prepare_outputs(cfg: RunConfig) -> None:
     cfg.output_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryFile(dir=cfg.output_dir):
         pass
-    OUTPUT_LOCK.hold(cfg.output_dir)
     if cfg.metrics_file:
         read_metrics_records(cfg.metrics_file)  # refuses a folder or another program's file now
         cfg.metrics_file.parent.mkdir(parents=True, exist_ok=True)
@@ -3105,10 +3116,18 @@ class OutputLock:
     def hold(self, folder: Path) -> None:
         if self.file is not None:
             return
+        folder.mkdir(parents=True, exist_ok=True)
         f = open(folder / "run.lock", "a+", encoding="utf-8")  # noqa: SIM115 (held, not closed)
         try:
             lock_file(f)
-        except OSError:
+        except OSError as e:
+            if e.errno not in LOCK_HELD:  # this filesystem keeps no locks (some Lustre, SMB, FUSE mounts)
+                f.close()
+                say(
+                    f"[outputs] warning: cannot lock {folder} ({describe_error(e)}): "
+                    "nothing stops a second run from using it"
+                )
+                return
             f.seek(0)
             holder = f.read().strip() or "a run that has not yet said who it is"
             f.close()
@@ -3138,6 +3157,7 @@ def lock_file(f: io.TextIOWrapper) -> None:
 
 
 LOCKED_BYTE = 4096
+LOCK_HELD = (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES, errno.EDEADLK)  # "another process has it"
 OUTPUT_LOCK = OutputLock()
 
 
@@ -3595,6 +3615,8 @@ def apply_resume_state(
 def run(cfg: RunConfig, d: Dist, started: float) -> None:
     log(d, f"[launch] {d.world_size} process(es); this is rank {d.rank} (local rank {d.local_rank})")
     log(d, f"[connect] backend {d.backend or 'none'} on {d.device}: {d.why}")
+    if not cfg.show_examples:  # first: before this run reads or clears anything in the folder
+        rank0_then_share(d, "could not write the outputs", lambda: OUTPUT_LOCK.hold(cfg.output_dir), UsageError)
     if rank0_then_share(d, "could not read the stop marker", lambda: stopped_in_an_earlier_attempt(cfg)):
         log(d, "[stop] torchrun restarted the job after a requested stop: it stays stopped; run it again to resume")
         tell_torchrun("stopped on request in an earlier attempt (exit code 3): run the command again to resume")
@@ -3629,8 +3651,10 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
         rank0_writes(d, "the metrics file", lambda: prepare_metrics_file(cfg, start), error=UsageError)
     result = train(cfg, d, kit, resume)
     step = result.progress.step
+    trace_file = None
     if cfg.trace_steps:  # also after a stop: the steps it traced are worth seeing
-        rank0_writes(d, "the trace", lambda: write_trace(cfg, result.trace))
+        trace_file = rank0_then_share(d, "could not write the trace", lambda: write_trace(cfg, result.trace))
+        log(d, f"[save] the trace: {trace_file}" if trace_file else "[trace] no step ended: nothing to write")
     if result.stopped_by:
         rank0_writes(d, "the stop marker", lambda: write_stop_marker(cfg, step, result.stopped_by))
         again = "the same command resumes there" if cfg.resume == "auto" else "--resume auto resumes there"
@@ -3643,9 +3667,9 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
         history = result.progress.history
         plot = rank0_then_share(d, "could not write the loss plot", lambda: write_loss_plot(cfg, history))
         outputs += [plot] if plot else []
-    if cfg.trace_steps:
-        outputs += [cfg.output_dir / "trace.json"]
-    if cfg.plot and cfg.trace_steps:
+    if trace_file:
+        outputs.append(trace_file)
+    if cfg.plot and trace_file:
         picture = rank0_then_share(d, "could not draw the timeline", lambda: write_timeline_plot(cfg, result.trace))
         outputs += [picture] if picture else []
     memory = peak_memory_per_rank(d)
@@ -3705,27 +3729,31 @@ def describe_peer_failure(cfg: RunConfig, d: Dist, error: BaseException) -> str:
     return f"rank {d.rank} lost contact with another rank, which probably failed first: {first_line(error)}"
 
 
-def report_error(message: str, every_rank: bool = False) -> None:
+def report_error(message: str, every_rank: bool = False, after_peer: bool = False) -> None:
     # Input errors are identical on every rank: under torchrun one line per machine is enough.
     # A lost peer is seen differently by each rank, so each says it; and a process that
     # torchrun did not start (whatever its LOCAL_RANK says) has no one to speak for it.
     if every_rank or os.environ.get("LOCAL_RANK", "0") == "0" or "TORCHELASTIC_RUN_ID" not in os.environ:
         print(f"error: {message}", file=sys.stderr, flush=True)
-    tell_torchrun(f"error: {message}")
+    tell_torchrun(f"error: {message}", later=after_peer)
 
 
-def tell_torchrun(line: str) -> None:
+def tell_torchrun(line: str, later: bool = False) -> None:
     """Leave the line in this rank's error file, where torchrun looks for why a rank failed.
 
     torchrun ends its failure report with the first failed rank's error file as the "root cause";
     without one it says only "To enable traceback see: ...". @record writes that file for an
     uncaught exception, never for a chosen exit, so each rank writes its own line here, in the
     same JSON shape.
+
+    torchrun names the failure with the earliest timestamp (whole seconds; on a tie, the lowest
+    rank). A rank that only lost contact with a failed peer is never the cause, so its line is
+    stamped a second later (`later`), and the peer's own failure is the one shown.
     """
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    info = {"py_callstack": line, "timestamp": str(int(time.time()))}
+    info = {"py_callstack": line, "timestamp": str(int(time.time()) + later)}
     with contextlib.suppress(OSError):
         Path(path).write_text(json.dumps({"message": {"message": line, "extraInfo": info}}))
 
@@ -3762,7 +3790,7 @@ def main(argv: list[str] | None = None) -> None:
             raise
         # Not this rank's fault: say so in one line, on every rank (each saw it from its own
         # side); the failed rank's own error and torchrun's summary say what happened there.
-        report_error(describe_peer_failure(cfg, d, e), every_rank=True)
+        report_error(describe_peer_failure(cfg, d, e), every_rank=True, after_peer=True)
         raise SystemExit(1) from None
     finally:
         teardown_distributed()

@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from conftest import TINY, child_env, free_port, launch
+from conftest import TINY, child_env, free_port, launch, run_cmd, torchrun_cmd
 
 import llm_ddp_parallel_training as t
 
@@ -213,3 +213,15 @@ def test_under_torchrun_the_root_cause_torchrun_reports_is_the_clear_line(tmp_pa
     root_cause = run.stderr.split("Root Cause (first observed failure):")[1]
     assert f"traceback : error: corpus file not found: {tmp_path / 'nope.txt'}" in root_cause, run.stderr
     assert run.returncode == 1  # torchrun's own code for "a rank failed"; the rank's 2 is in its report
+
+
+def test_under_torchrun_the_root_cause_is_the_rank_that_failed_not_one_that_lost_it():
+    # torchrun looks every 3 s: by then both ranks have exited, and it must choose between their reports.
+    cmd = torchrun_cmd(
+        2, [*TINY, "--max-steps", "20", "--inject-fault", "1:3:raise"], ["--standalone", "--monitor-interval=3"]
+    )
+    run = run_cmd(cmd, 120)
+    assert run.returncode == 1
+    root_cause = run.stderr.split("Root Cause (first observed failure):")[1]
+    assert "rank      : 1 (local_rank: 1)" in root_cause, run.stderr
+    assert "injected failure on rank 1 at step 3" in root_cause

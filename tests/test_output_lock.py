@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
@@ -11,6 +12,8 @@ import time
 
 import pytest
 from conftest import SCRIPT, TINY, assert_ok, child_env, launch
+
+import llm_ddp_parallel_training as t
 
 
 def start_long_run(out):
@@ -22,6 +25,7 @@ def start_long_run(out):
             proc.kill()
             pytest.fail("the first run never took the folder")
         time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGSTOP)  # paused, it keeps the lock and leaves the cores to the second run
     return proc
 
 
@@ -47,3 +51,12 @@ def test_a_killed_run_leaves_no_lock_behind(tmp_path):
     assert (tmp_path / "run.lock").exists()  # the file stays; the operating system's lock went with the process
     assert_ok(launch([*TINY, "--max-steps", "2", "--output-dir", str(tmp_path)]))
     assert_ok(launch([*TINY, "--max-steps", "2", "--output-dir", str(tmp_path)]))  # a finished run holds nothing
+
+
+def test_a_filesystem_without_locks_gets_a_warning_not_a_refusal(tmp_path, monkeypatch, capsys):
+    def no_locks_here(f):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(t, "lock_file", no_locks_here)
+    t.OutputLock().hold(tmp_path)
+    assert "warning: cannot lock" in capsys.readouterr().out

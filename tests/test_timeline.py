@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from conftest import TINY, assert_ok, launch, run_cmd, torchrun_cmd
 
 import llm_ddp_parallel_training as t
@@ -109,7 +110,9 @@ def test_manual_ddp_traces_every_bucket_it_launches(tmp_path):
         for k, inside in steps_of(spans).items():
             launched = sorted(s["args"]["bucket"] for s in inside if s["name"] == "all-reduce")
             assert len(launched) > 2 and launched == list(range(len(launched))), (rank, k)
-            assert min(s["ts"] for s in inside if s["name"] == "all-reduce") < backward_end(inside)
+            # Two or more: the last bucket always starts at the last gradient; the others overlap.
+            early = [s for s in inside if s["name"] == "all-reduce" and s["ts"] < backward_end(inside)]
+            assert len(early) >= 2, (rank, k)
 
 
 def test_one_process_traces_its_steps_with_no_all_reduce(tmp_path):
@@ -119,7 +122,7 @@ def test_one_process_traces_its_steps_with_no_all_reduce(tmp_path):
     assert list(spans) == [0]
     assert sorted(steps_of(spans[0])) == [1, 2]
     assert not [s for s in spans[0] if s["name"] == "all-reduce"]
-    assert "none traced (one process: nothing to synchronise)" in run.stdout
+    assert "none (one process: nothing to synchronise)" in run.stdout
 
 
 CLOCK_PROBE = """
@@ -161,3 +164,20 @@ def test_hidden_fraction_counts_in_flight_time_under_backward_once():
     ]
     assert t.hidden_fraction(spans) == pytest.approx(6 / 8)
     assert t.hidden_fraction([("backward", 0.0, 1.0, {})]) is None
+
+
+def test_a_resumed_run_traces_its_own_first_steps(tmp_path):
+    first = [*TINY, "--save-every", "2", "--output-dir", str(tmp_path)]
+    assert_ok(launch([*first, "--max-steps", "4"], nproc=2))
+    run = launch([*first, "--max-steps", "6", "--trace-steps", "2", "--plot"], nproc=2)
+    assert_ok(run)
+    for spans in spans_by_rank(json.loads((tmp_path / "trace.json").read_text())).values():
+        assert sorted(steps_of(spans)) == [5, 6]
+    assert (tmp_path / "timeline.png").exists()
+
+
+def test_collected_spans_move_onto_rank_0s_clock():
+    d = t.Dist(0, 0, 1, 1, torch.device("cpu"), None, "one process")
+    timeline = t.Timeline(1, d.device)
+    timeline.spans = [("forward", 1.0, 2.0, {})]
+    assert t.collect_trace(d, timeline, [5.0]) == [[("forward", 6.0, 7.0, {})]]
