@@ -2055,6 +2055,9 @@ def describe_local_gradient(stats: CommStats, named_params: list[tuple[str, nn.P
     )
 
 
+Span = tuple[str, float, float, dict]  # (name, start, end, args): seconds on one rank's clock
+
+
 class Timeline:
     """--trace-steps N: what every rank did, and when, during its first N optimizer steps.
 
@@ -2074,7 +2077,7 @@ class Timeline:
     def __init__(self, last_step: int, device: torch.device) -> None:
         self.last_step, self.cuda = last_step, device.type == "cuda"
         self.on, self.step = False, 0  # recording the current step, and which
-        self.spans: list[tuple[str, float, float, dict]] = []  # (name, start, end, args), seconds
+        self.spans: list[Span] = []
         self.pending: list[tuple[str, object, object, dict]] = []  # this step's, marks unresolved
         self.step_start: object = 0.0
         self.phase_start: object = 0.0
@@ -2165,7 +2168,7 @@ def clock_offsets(d: Dist, rounds: int = 9) -> list[float]:
     return [(ranks[0] - r).median().item() for r in ranks]
 
 
-def collect_trace(d: Dist, timeline: Timeline, offsets: list[float]) -> list[list[tuple[str, float, float, dict]]]:
+def collect_trace(d: Dist, timeline: Timeline, offsets: list[float]) -> list[list[Span]]:
     """Every rank's spans, on rank 0's clock (a collective; rank 0 gets them, the others [])."""
     gathered: list = [timeline.spans]
     if d.distributed:
@@ -2188,7 +2191,7 @@ def union_seconds(intervals: list[tuple[float, float]]) -> list[tuple[float, flo
     return merged
 
 
-def hidden_fraction(spans: list[tuple[str, float, float, dict]]) -> float | None:
+def hidden_fraction(spans: list[Span]) -> float | None:
     """Of the time one rank had an all-reduce in flight, the share its backward was computing.
 
     That time is free: the wire works while the cores compute. The rest is waited for.
@@ -2321,7 +2324,7 @@ class TrainResult:
     tokens: int  # trained on in this attempt (a resumed run counts from its checkpoint)
     seconds: float  # spent in training steps in this attempt
     stopped_by: str | None  # the signal's name, when a stop request ended the run early
-    trace: list[list[tuple[str, float, float, dict]]]  # --trace-steps: every rank's spans (rank 0 only)
+    trace: list[list[Span]]  # --trace-steps: every rank's spans (rank 0 only)
 
 
 class PhaseTimer:
@@ -2842,25 +2845,25 @@ def write_loss_plot(cfg: RunConfig, history: list[dict[str, float]]) -> Path | N
     return path
 
 
-def all_reduce_lanes(spans: list[tuple[str, float, float, dict]]) -> list[int]:
-    """A lane for each all-reduce span, so that spans sharing a lane never overlap.
+def all_reduce_lanes(spans: list[Span]) -> list[tuple[Span, int]]:
+    """The all-reduce spans in time order, each with a lane, so spans sharing a lane never overlap.
 
     A bucket handed over while the previous one is still in flight overlaps it: it waits its
     turn on the wire. Lane by lane, the timeline shows how deep that queue got.
     """
     ends: list[float] = []
-    lanes = []
-    for _, a, b, _ in spans:
-        lane = next((i for i, end in enumerate(ends) if end <= a), len(ends))
+    placed = []
+    for span in sorted((s for s in spans if s[0] == "all-reduce"), key=lambda s: s[1]):
+        lane = next((i for i, end in enumerate(ends) if end <= span[1]), len(ends))
         if lane == len(ends):
-            ends.append(b)
+            ends.append(span[2])
         else:
-            ends[lane] = b
-        lanes.append(lane)
-    return lanes
+            ends[lane] = span[2]
+        placed.append((span, lane))
+    return placed
 
 
-def chrome_trace(ranks: list[list[tuple[str, float, float, dict]]]) -> dict:
+def chrome_trace(ranks: list[list[Span]]) -> dict:
     """The Chrome Trace Event Format (Perfetto, chrome://tracing): one process per rank, its
     compute spans on one thread, its all-reduces on as many threads as were in flight at once."""
     t0 = min(a for spans in ranks for _, a, _, _ in spans)
@@ -2871,15 +2874,12 @@ def chrome_trace(ranks: list[list[tuple[str, float, float, dict]]]) -> dict:
             {"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}},
             {"ph": "M", "name": "thread_name", "pid": rank, "tid": 0, "args": {"name": "compute"}},
         ]
-        comm = sorted((s for s in spans if s[0] == "all-reduce"), key=lambda s: s[1])
-        lanes = all_reduce_lanes(comm)
-        for lane in range(max(lanes, default=-1) + 1):
+        comm = all_reduce_lanes(spans)
+        for lane in range(max((lane for _, lane in comm), default=-1) + 1):
             events.append(
                 {"ph": "M", "name": "thread_name", "pid": rank, "tid": 1 + lane, "args": {"name": "all-reduce"}}
             )
-        placed = [(s, 0) for s in spans if s[0] != "all-reduce"] + [
-            (s, 1 + lane) for s, lane in zip(comm, lanes, strict=True)
-        ]
+        placed = [(s, 0) for s in spans if s[0] != "all-reduce"] + [(s, 1 + lane) for s, lane in comm]
         for (name, a, b, args), tid in placed:
             events.append(
                 {
@@ -2896,7 +2896,7 @@ def chrome_trace(ranks: list[list[tuple[str, float, float, dict]]]) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def write_trace(cfg: RunConfig, ranks: list[list[tuple[str, float, float, dict]]]) -> Path | None:
+def write_trace(cfg: RunConfig, ranks: list[list[Span]]) -> Path | None:
     if not any(ranks):
         return None  # stopped before the first step ended
     path = cfg.output_dir / "trace.json"
@@ -2914,7 +2914,7 @@ PHASE_COLOURS = {
 }
 
 
-def write_timeline_plot(cfg: RunConfig, ranks: list[list[tuple[str, float, float, dict]]]) -> Path | None:
+def write_timeline_plot(cfg: RunConfig, ranks: list[list[Span]]) -> Path | None:
     """The traced steps as a picture: a lane per rank, compute above, all-reduce below it."""
     plt = import_pyplot()
     if plt is None:
@@ -2928,10 +2928,9 @@ def write_timeline_plot(cfg: RunConfig, ranks: list[list[tuple[str, float, float
                 ax.broken_barh([(1000 * (a - t0), 1000 * (b - a))], (top + 0.5, 0.4), color=PHASE_COLOURS[name])
             elif name.startswith("step "):
                 ax.axvline(1000 * (a - t0), color="black", lw=0.5, alpha=0.3)
-        comm = sorted((s for s in spans if s[0] == "all-reduce"), key=lambda s: s[1])
-        lanes = all_reduce_lanes(comm)
-        height = 0.4 / max(1, max(lanes, default=0) + 1)
-        for (_, a, b, _), lane in zip(comm, lanes, strict=True):
+        comm = all_reduce_lanes(spans)
+        height = 0.4 / (max((lane for _, lane in comm), default=0) + 1)
+        for (_, a, b, _), lane in comm:
             y = top + 0.5 - (lane + 1) * height
             ax.broken_barh(
                 [(1000 * (a - t0), 1000 * (b - a))], (y, height * 0.9), color=PHASE_COLOURS["all-reduce"], alpha=0.8
@@ -2967,7 +2966,7 @@ def peak_memory_per_rank(d: Dist) -> list[str]:
     ]
 
 
-def describe_overlap(ranks: list[list[tuple[str, float, float, dict]]]) -> str:
+def describe_overlap(ranks: list[list[Span]]) -> str:
     hidden = [hidden_fraction(spans) for spans in ranks]
     if len(ranks) == 1:
         return "none (one process: nothing to synchronise)"
@@ -3082,11 +3081,15 @@ def rank0_then_share(d: Dist, what: str, work: Callable[[], object], error: type
     return outcome["value"]
 
 
-def rank0_writes(d: Dist, what: str, write: Callable[[], Path | None], error: type[Exception] = TrainingError) -> None:
-    """Rank 0 writes while the others wait; a failed write stops every rank with one line."""
+def rank0_writes(
+    d: Dist, what: str, write: Callable[[], Path | None], error: type[Exception] = TrainingError
+) -> Path | None:
+    """Rank 0 writes while the others wait; a failed write stops every rank with one line.
+    Every rank gets the path written (None: there was nothing to write)."""
     path = rank0_then_share(d, f"could not write {what}", write, error)
     if path:
         log(d, f"[save] {what}: {path}")
+    return path
 
 
 def prepare_outputs(cfg: RunConfig) -> None:
@@ -3651,10 +3654,10 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
         rank0_writes(d, "the metrics file", lambda: prepare_metrics_file(cfg, start), error=UsageError)
     result = train(cfg, d, kit, resume)
     step = result.progress.step
-    trace_file = None
-    if cfg.trace_steps:  # also after a stop: the steps it traced are worth seeing
-        trace_file = rank0_then_share(d, "could not write the trace", lambda: write_trace(cfg, result.trace))
-        log(d, f"[save] the trace: {trace_file}" if trace_file else "[trace] no step ended: nothing to write")
+    # Also after a stop: the steps it traced are worth seeing.
+    trace_file = rank0_writes(d, "the trace", lambda: write_trace(cfg, result.trace)) if cfg.trace_steps else None
+    if cfg.trace_steps and not trace_file:
+        log(d, "[trace] no step ended: nothing to write")
     if result.stopped_by:
         rank0_writes(d, "the stop marker", lambda: write_stop_marker(cfg, step, result.stopped_by))
         again = "the same command resumes there" if cfg.resume == "auto" else "--resume auto resumes there"
