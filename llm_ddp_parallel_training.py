@@ -921,7 +921,7 @@ class Examples(Dataset):
 
     def digest(self) -> str:
         tensors = [self.inputs, self.targets] + ([self.positions] if self.positions is not None else [])
-        return hashlib.sha256(b"".join(t.numpy().tobytes() for t in tensors)).hexdigest()
+        return sha256(b"".join(t.numpy().tobytes() for t in tensors))
 
 
 def packed_stream(lines: list[str]) -> bytes:
@@ -956,7 +956,7 @@ class ShiftingWindows(Dataset):
         self.offset = int(torch.randint(self.seq_len, (), generator=generator))
 
     def digest(self) -> str:
-        return hashlib.sha256(self.stream.numpy().tobytes() + str(self.seq_len).encode()).hexdigest()
+        return sha256(self.stream.numpy().tobytes() + str(self.seq_len).encode())
 
 
 def encode_lines_as_bytes(lines: list[str], seq_len: int, pack: bool) -> Examples:
@@ -2437,7 +2437,8 @@ class StopRequest:
 STOP = StopRequest()
 
 
-def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None) -> TrainResult:
+def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings: dict) -> TrainResult:
+    """The training loop. `settings` (run_settings, rank 0 only) go into every checkpoint."""
     loader, sampler = make_train_loader(kit.train, cfg, d)
     named_params = [(n, p) for n, p in kit.model.named_parameters() if p.requires_grad]
     params = [p for _, p in named_params]
@@ -2465,7 +2466,6 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None) -> TrainR
     if cfg.inspect:
         print_in_rank_order(d, describe_shards(d, sampler))
 
-    settings = run_settings(cfg, d, kit) if d.is_main else {}  # what a checkpoint must match to resume
     saved_step = progress.step if resume else None  # the step whose state is on disk
 
     def save_state() -> None:
@@ -3648,11 +3648,12 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
     cfg = steps_for_epochs(cfg, d, kit)
 
     rank0_writes(d, "the outputs", lambda: prepare_outputs(cfg), error=UsageError)
-    resume = find_resume_state(cfg, d, run_settings(cfg, d, kit) if d.is_main else {})
+    settings = run_settings(cfg, d, kit) if d.is_main else {}  # what a checkpoint must match to resume
+    resume = find_resume_state(cfg, d, settings)
     if cfg.metrics_file:
         start = resume["progress"]["step"] if resume else 0
         rank0_writes(d, "the metrics file", lambda: prepare_metrics_file(cfg, start), error=UsageError)
-    result = train(cfg, d, kit, resume)
+    result = train(cfg, d, kit, resume, settings)
     step = result.progress.step
     # Also after a stop: the steps it traced are worth seeing.
     trace_file = rank0_writes(d, "the trace", lambda: write_trace(cfg, result.trace)) if cfg.trace_steps else None
