@@ -216,7 +216,7 @@ DROPOUT_PROBE = """
 import sys, torch
 import llm_ddp_parallel_training as t
 
-def probe(cfg, d, kit, resume):  # stands in for train(): everything before it ran as in a real run
+def probe(cfg, d, kit, resume, settings):  # stands in for train(): everything before it ran as in a real run
     weights = torch.cat([p.detach().flatten() for p in kit.model.parameters()])
     dropped = torch.nn.functional.dropout(torch.ones(4096), p=cfg.dropout, training=True)
     first, second = t.all_gather_tensor(d, torch.stack([weights[:4096], dropped]))
