@@ -148,6 +148,7 @@ class RunConfig:
     # checkpoints and resume
     save_every: int
     keep_last: int
+    overwrite: bool
     resume: str
     # hardware and process group
     backend: str
@@ -260,7 +261,9 @@ def _name_list(text: str) -> tuple[str, ...]:
 
 def build_arg_parser() -> argparse.ArgumentParser:
     p = _Parser(
-        description="Train a byte-level causal Transformer with DistributedDataParallel.",
+        description="Train a causal language model across processes with DistributedDataParallel: a byte-level "
+        "Transformer from scratch (learn DDP on a CPU with --nproc 2), or LoRA adapters on Qwen2.5 or another "
+        "pretrained model (--model qwen) on your text or chat data, on 1-8 GPUs per machine and many machines.",
         formatter_class=_HelpFormatter,
     )
     g = p.add_argument_group("run")
@@ -306,9 +309,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     )
 
     g = p.add_argument_group("tiny model")
-    g.add_argument("--d-model", type=_positive_int, default=512, help="embedding width")
-    g.add_argument("--n-heads", type=_positive_int, default=8, help="attention heads")
-    g.add_argument("--n-layers", type=_positive_int, default=1, help="Transformer blocks")
+    g.add_argument("--d-model", type=_positive_int, default=128, help="embedding width")
+    g.add_argument("--n-heads", type=_positive_int, default=4, help="attention heads")
+    g.add_argument("--n-layers", type=_positive_int, default=2, help="Transformer blocks")
     g.add_argument("--dropout", type=_probability, default=0.0, help="dropout probability")
 
     g = p.add_argument_group("qwen + LoRA")
@@ -337,12 +340,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
     )
 
     g = p.add_argument_group("optimisation")
-    g.add_argument("--batch-size", type=_positive_int, default=16, help="examples per rank per step")
+    g.add_argument("--batch-size", type=_positive_int, default=8, help="examples per rank per step")
     g.add_argument(
         "--max-steps",
         type=_positive_int,
         default=None,
-        help="optimizer steps, across epochs (default: 500, or no cap when --epochs is given)",
+        help="optimizer steps, across epochs (default: 600, or no cap when --epochs is given)",
     )
     g.add_argument(
         "--epochs",
@@ -441,6 +444,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--keep-last", type=_positive_int, default=2, metavar="K", help="how many checkpoints to keep")
     g.add_argument(
+        "--overwrite", action="store_true", help="replace a finished run's model in OUTPUT_DIR (else: refused)"
+    )
+    g.add_argument(
         "--resume",
         default="auto",
         metavar="auto|none|PATH",
@@ -475,7 +481,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> RunConfig:
     args = build_arg_parser().parse_args(argv)
     if args.max_steps is None:  # 0: no cap, for --epochs to decide (see steps_for_epochs)
-        args.max_steps = 0 if args.epochs else 500
+        args.max_steps = 0 if args.epochs else 600
     if args.pack is None:  # byte windows cut anywhere; Qwen packs whole examples, kept apart, when asked
         args.pack = args.model == "tiny"
     if args.lr is None:  # adapters on a pretrained model want a far gentler step than a model from scratch
@@ -514,6 +520,7 @@ class Dist:
     why: str  # the reason for the backend/device choice, printed at start
     control: dist.ProcessGroup | None = None  # Gloo group for host numbers under NCCL (None: the default group)
     store: dist.Store | None = None  # the rendezvous key-value store the ranks met in
+    launch: str | None = None  # this torchrun launch, the same in all its restarts (see launch_token)
 
     @property
     def is_main(self) -> bool:
@@ -596,7 +603,7 @@ def setup_distributed(cfg: RunConfig) -> Dist:
     # instead of hanging it.
     timeout = timedelta(seconds=cfg.timeout_s)
     try:
-        agent_store = rendezvous_store(timeout)
+        agent_store, launch = rendezvous_store(timeout)
         dist.init_process_group(
             backend=backend,
             store=agent_store,
@@ -614,7 +621,7 @@ def setup_distributed(cfg: RunConfig) -> Dist:
     control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
     # Without torchrun's agent store, torch built one from MASTER_ADDR/PORT: take that one.
     store = agent_store or dist.distributed_c10d._get_default_store()
-    return Dist(rank, local_rank, world, local_world, device, backend, why, control, store)
+    return Dist(rank, local_rank, world, local_world, device, backend, why, control, store, launch)
 
 
 # PyTorch's Windows wheels are built without libuv, which its TCPStore uses by default elsewhere.
@@ -651,10 +658,15 @@ def launch_local_ranks(cfg: RunConfig, argv: list[str]) -> int:
         "TORCHELASTIC_RESTART_COUNT": "0",
         "TORCHELASTIC_MAX_RESTARTS": "0",
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),  # as torchrun: N ranks share the cores
+        LAUNCHER_PIPE: "1",
     }
     command = [sys.executable, str(Path(__file__).resolve()), *argv, "--nproc", "0"]  # the last --nproc wins
+    # Each rank's stdin is a pipe from here that is never written: it closes when this process
+    # ends, however it ends, and that is how the ranks learn it (see end_with_the_launcher).
     ranks = [
-        subprocess.Popen(command, env=env | {"RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)})
+        subprocess.Popen(
+            command, env=env | {"RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)}, stdin=subprocess.PIPE
+        )
         for r in range(cfg.nproc)
     ]
 
@@ -685,8 +697,40 @@ def launch_local_ranks(cfg: RunConfig, argv: list[str]) -> int:
                 rank.kill()
 
 
-def rendezvous_store(timeout: timedelta) -> dist.Store | None:
-    """The key-value store the ranks meet in (None: let torch build it from MASTER_ADDR/PORT).
+LAUNCHER_PIPE = "LLM_DDP_LAUNCHER_PIPE"  # set by --nproc: the rank's stdin is a pipe from its launcher
+LAUNCHER_GONE_GRACE_S = 60.0
+
+
+def end_with_the_launcher() -> None:
+    """--nproc ranks end when their launcher does, however it ends (a notebook kernel killed, the
+    OOM killer): left running, they would train on, write, and hold run.lock, unseen.
+
+    The operating system closes the launcher's end of each rank's stdin pipe when it exits, on
+    every platform, so a thread here reads until the end of the pipe. Then the rank asks itself to
+    stop, as SIGTERM does: every rank learns it at once, all stop after the same step and write a
+    checkpoint. A rank still running LAUNCHER_GONE_GRACE_S later leaves anyway.
+    """
+    if os.environ.get(LAUNCHER_PIPE) != "1":
+        return
+
+    def watch() -> None:
+        sys.stdin.buffer.read()  # returns at the end of the pipe: the launcher has gone
+        try:
+            os.write(2, b"[stop] the --nproc launcher has gone: every rank stops after this step\n")
+        except OSError:  # and whoever read our output with it: write nowhere from now on
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+        STOP.signal, STOP.at = STOP.signal or signal.SIGTERM, time.monotonic()
+        time.sleep(LAUNCHER_GONE_GRACE_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
+def rendezvous_store(timeout: timedelta) -> tuple[dist.Store | None, str | None]:
+    """The key-value store the ranks meet in (None: let torch build it from MASTER_ADDR/PORT), and
+    the launch this process belongs to (see launch_token).
 
     torchrun's agent hosts one store for the whole job and keeps it across restarts. The
     ranks of a restarted attempt would find the dead attempt's addresses still in it, and
@@ -694,11 +738,30 @@ def rendezvous_store(timeout: timedelta) -> dist.Store | None:
     then hangs until the timeout. A key prefix per attempt keeps each attempt's keys apart.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
+        return None, launch_without_agent_store()
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout, use_libuv=USE_LIBUV
     )
-    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    attempt = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    return attempt, launch_token(store)
+
+
+def launch_token(store: dist.Store) -> str:
+    """A name for this torchrun launch, the same in every restart of it and new in the next launch.
+
+    The agent's store is exactly that: it lives as long as one launch and survives its restarts.
+    The first rank to ask writes a random token there; every other rank, in this attempt and in
+    every restart, reads the same one. (Run ids repeat across launches: torchrun's default
+    --rdzv-id is "none", and a requeued Slurm job keeps its id. The agent's pid is not the ranks'
+    parent when anything sits between, as with torchrun --no-python bash -c "python ...".)
+    """
+    return store.compare_set("llm_ddp/launch", "", os.urandom(8).hex()).decode()
+
+
+def launch_without_agent_store() -> str | None:
+    """Under a launcher without an agent store: its run id and the launcher (our parent)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    return f"{run_id}@{socket.gethostname()}:{os.getppid()}" if run_id is not None else None
 
 
 def teardown_distributed() -> None:
@@ -1000,25 +1063,32 @@ def tokenize_record(
     there is none, as in Qwen) lets the model predict the first token; the EOS teaches it to stop.
     Prompt + completion: prompt + completion + [eos], targets the completion and the EOS.
     Conversation: the chat template's rendering, targets each assistant reply and the token that
-    closes its turn (see chat_segments). --train-on-prompt makes every token a target."""
+    closes its turn (see chat_segments). --train-on-prompt makes every token a target.
+
+    The user's own text is encoded with special-token parsing off: a reply that contains the
+    characters "<|im_end|>" trains on those characters, and never ends its turn in mid-reply.
+    Only the template's own markup becomes control tokens."""
     encode = functools.partial(tokenizer.encode, add_special_tokens=False)
     eos = tokenizer.eos_token_id
     if record.text is not None:
         start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos
-        ids = [start, *encode(record.text), eos]
+        ids = [start, *encode(record.text, split_special_tokens=True), eos]
         return TokenSequence(ids, [False] + [True] * (len(ids) - 1))
     if record.prompt is not None:
-        prompt, completion = encode(record.prompt), [*encode(record.completion), eos]
+        prompt = encode(record.prompt, split_special_tokens=True)
+        completion = [*encode(record.completion, split_special_tokens=True), eos]
         return TokenSequence(prompt + completion, [train_on_prompt] * len(prompt) + [True] * len(completion))
     try:
-        if train_on_prompt:  # every token: no mask to derive, so any template will do
-            ids = encode(render_chat(record.messages, tokenizer))
-            return TokenSequence(ids, [True] * len(ids))
+        full = render_chat(record.messages, tokenizer)
+        # Every token a target needs no mask, so any template will do for --train-on-prompt.
+        targets = [] if train_on_prompt else target_ranges(chat_segments(record.messages, tokenizer, masking))
+        contents = message_ranges(record.messages, tokenizer, masking, full)
+        cuts = sorted({0, len(full), *itertools.chain(*targets, *contents)})
         ids, is_target = [], []
-        for text, target in chat_segments(record.messages, tokenizer, masking):
-            piece = encode(text)
+        for a, b in itertools.pairwise(cuts):
+            piece = encode(full[a:b], split_special_tokens=any(s <= a < e for s, e in contents))
             ids += piece
-            is_target += [target] * len(piece)
+            is_target += [train_on_prompt or any(s <= a < e for s, e in targets)] * len(piece)
         return TokenSequence(ids, is_target)
     except UsageError as e:
         raise UsageError(f"{record.source or 'a conversation'}: {e}") from None
@@ -1026,6 +1096,49 @@ def tokenize_record(
         raise UsageError(
             f"{record.source or 'a conversation'}: the chat template cannot render it: {first_line(e)}"
         ) from None
+
+
+def target_ranges(segments: list[tuple[str, bool]]) -> list[tuple[int, int]]:
+    """(start, end) character ranges of the target segments, in the text the segments spell."""
+    ranges, at = [], 0
+    for text, target in segments:
+        if target:
+            ranges.append((at, at + len(text)))
+        at += len(text)
+    return ranges
+
+
+def message_ranges(
+    turns: tuple[tuple[str, str], ...], tokenizer: PreTrainedTokenizerBase, masking: ChatMasking, full: str
+) -> list[tuple[int, int]]:
+    """Where each message's own text lies in `full`, the template's rendering of the conversation.
+
+    Rendered with a marker in place of each message, the template shows what is its own text and
+    where each message goes; `full` must be that text with each message put back (as it is, or
+    trimmed, as some templates do). If the template changes messages in other ways, [] is
+    returned when no message spells a special token (nothing to keep apart), else the record is
+    refused: its text could not be kept from becoming control tokens.
+    """
+    marks = [f"\ue000{i}\ue001" for i in range(len(turns))]  # private-use characters: never in a template
+    marked = render_chat(tuple((role, mark) for (role, _), mark in zip(turns, marks, strict=True)), tokenizer)
+    ranges, at, rest = [], 0, marked
+    for (_, content), mark in zip(turns, marks, strict=True):
+        template, found, rest = rest.partition(mark)
+        shown = next((c for c in (content, content.strip()) if found and full.startswith(template + c, at)), None)
+        if shown is None:
+            break
+        at += len(template)
+        ranges.append((at, at + len(shown)))
+        at += len(shown)
+    if len(ranges) == len(turns) and full[at:] == rest:
+        return ranges
+    spelled = sorted({t for _, content in turns for t in masking.end_tokens if t in content})
+    if spelled:
+        raise UsageError(
+            f"its text spells {', '.join(spelled)}, and the chat template changes message text in a way that "
+            "cannot be followed, so that text could not be kept from becoming control tokens"
+        )
+    return []
 
 
 def render_chat(turns: tuple[tuple[str, str], ...], tokenizer: PreTrainedTokenizerBase, prompt: bool = False) -> str:
@@ -1235,6 +1348,26 @@ def trim_padding(batch: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, .
     return tuple(c[:, :width].contiguous() for c in columns)
 
 
+def flatten_rows(batch: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """The micro-batch's packed rows laid end to end as one row, position_ids restarting at 0 for
+    each example (transformers' flattening collator does the same).
+
+    Under flash_attention_2, transformers reads position_ids as sequence boundaries only in a
+    batch of one row (_is_packed_sequence); then flash-attn's variable-length kernel keeps every
+    example to itself. With several rows it runs plain causal attention over each whole row, and
+    the examples packed into a row would attend to each other.
+    """
+    return tuple(t.reshape(1, -1) for t in trim_padding(batch))
+
+
+def collate_for(cfg: RunConfig) -> Callable[[list], tuple[torch.Tensor, ...]]:
+    """How a micro-batch is stacked. Under sdpa and eager, packed rows stay rows: transformers builds
+    each row a block-diagonal causal mask from its position_ids, and one long row would make that
+    mask (and attention's work) grow with the square of the whole micro-batch."""
+    flash = cfg.model == "qwen" and cfg.pack and cfg.attn_implementation.startswith("flash_attention")
+    return flatten_rows if flash else trim_padding
+
+
 def make_train_loader(
     dataset: Examples | ShiftingWindows, cfg: RunConfig, d: Dist
 ) -> tuple[DataLoader, DistributedSampler]:
@@ -1257,7 +1390,7 @@ def make_train_loader(
         batch_size=cfg.batch_size,
         sampler=sampler,
         drop_last=True,  # equal batch counts on every rank, so no rank waits in an all-reduce alone
-        collate_fn=trim_padding,
+        collate_fn=collate_for(cfg),
         pin_memory=d.device.type == "cuda",
         # Each iter(loader) draws a seed for its workers. From the global RNG, that draw would
         # shift the dropout stream, and a resumed run (which starts its epoch's iterator where
@@ -2237,15 +2370,39 @@ def global_batch(cfg: RunConfig, d: Dist) -> int:
 
 
 def lr_at(cfg: RunConfig, step: int) -> float:
-    """Linear warmup from 0 to --lr over --warmup-steps, then cosine decay to --min-lr.
+    """Linear warmup from 0 to --lr over the warmup steps, then cosine decay to --min-lr at the
+    last step. Without warmup, step 1 trains at the full --lr.
 
     A pure function of the step, identical on every rank, so it needs no saved state.
     """
-    warmup = min(cfg.warmup_steps, cfg.max_steps)
+    warmup = warmup_steps(cfg)
     if step <= warmup:
         return cfg.lr * step / warmup
-    done = (step - warmup) / max(1, cfg.max_steps - warmup)
+    peak = max(warmup, 1)  # the step that trains at the full rate, where the decay starts
+    done = (step - peak) / max(1, cfg.max_steps - peak)
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(done, 1.0)))
+
+
+WARMUP_SHARE = 0.1  # of the run, when --warmup-steps would take more than half of it
+
+
+def warmup_steps(cfg: RunConfig) -> int:
+    """--warmup-steps, unless that is more than half the run: a run that is (nearly) all warmup
+    ends at the peak rate and never decays, as a short --epochs run would with the default 20.
+    Then a tenth of the run (at least one step)."""
+    if cfg.warmup_steps * 2 <= cfg.max_steps:
+        return cfg.warmup_steps
+    return max(1, int(cfg.max_steps * WARMUP_SHARE))
+
+
+def describe_warmup(cfg: RunConfig) -> str | None:
+    warmup = warmup_steps(cfg)
+    if warmup == cfg.warmup_steps:
+        return None
+    return (
+        f"[run] --warmup-steps {cfg.warmup_steps} is more than half of this run's {cfg.max_steps} steps: warming "
+        f"up for {warmup} step{'s' if warmup > 1 else ''} instead (a tenth of the run), then cosine decay to --min-lr"
+    )
 
 
 def choose_precision(cfg: RunConfig, d: Dist) -> str:
@@ -2255,6 +2412,37 @@ def choose_precision(cfg: RunConfig, d: Dist) -> str:
     if cfg.precision == "fp16" and not on_gpu:
         raise UsageError("--precision fp16 needs a CUDA GPU (its GradScaler is CUDA-only); use bf16 or fp32 on CPU")
     return cfg.precision
+
+
+def warn_if_bf16_is_emulated(cfg: RunConfig, d: Dist) -> None:
+    """bf16 on a CPU without bf16 instructions (AVX2-only x86, say) is emulated: measured here, a
+    default-model step ran 35x slower than in fp32. Nothing else would say so."""
+    wants_bf16 = cfg.precision == "bf16" or (cfg.model == "qwen" and cfg.dtype == "bfloat16")
+    if not (d.is_main and d.device.type == "cpu" and wants_bf16):
+        return
+    slowdown = cpu_bf16_slowdown()
+    if slowdown > 3:
+        say(
+            f"[run] warning: this CPU has no bf16 instructions: bf16 is emulated here, {slowdown:.0f}x slower than "
+            "fp32 in a 256x256 matmul just now; --precision fp32 is faster"
+        )
+
+
+def cpu_bf16_slowdown(n: int = 256, repeats: int = 3) -> float:
+    """How many times longer an n x n matmul takes in bf16 than in fp32 on this CPU (best of a few).
+    Timed rather than read from CPU flags, which differ by vendor and platform: a CPU that computes
+    bf16 does it as fast as fp32 or faster; one that emulates it, many times slower."""
+    seconds = []
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(n, n).to(dtype)
+        x @ x  # warm up
+        best = math.inf
+        for _ in range(repeats):
+            start = time.perf_counter()
+            x @ x
+            best = min(best, time.perf_counter() - start)
+        seconds.append(best)
+    return seconds[1] / seconds[0]
 
 
 def autocast_for(precision: str, d: Dist) -> contextlib.AbstractContextManager:
@@ -2460,7 +2648,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
     log(
         d,
         f"[run] gradient sync: {describe_gradient_sync(cfg, d)}; loss: {cfg.loss_normalization}; "
-        f"optimizer: {cfg.optimizer}, lr {cfg.lr:g} (warmup {cfg.warmup_steps}, cosine to {cfg.min_lr:g}); "
+        f"optimizer: {cfg.optimizer}, lr {cfg.lr:g} (warmup {warmup_steps(cfg)}, cosine to {cfg.min_lr:g}); "
         f"precision {precision}",
     )
     if cfg.inspect:
@@ -2664,8 +2852,9 @@ def evaluate(cfg: RunConfig, d: Dist, kit: ModelKit, precision: str) -> dict[str
     val, model = kit.val, kit.trained
     model.eval()
     loss_sum = tokens = nbytes = 0.0
+    # With fewer held-out examples than ranks, some ranks hold none: they add zeros to the sums.
     mine = torch.arange(d.rank, len(val), d.world_size)
-    for chunk in mine.split(cfg.batch_size):
+    for chunk in mine.split(cfg.batch_size) if len(mine) else []:
         inputs, targets, *positions = (t.to(d.device) for t in trim_padding([val[i] for i in chunk.tolist()]))
         with autocast_for(precision, d):
             loss_sum += kit.loss(model, inputs, targets, *positions).item()
@@ -2915,10 +3104,19 @@ PHASE_COLOURS = {
 
 
 def write_timeline_plot(cfg: RunConfig, ranks: list[list[Span]]) -> Path | None:
-    """The traced steps as a picture: a lane per rank, compute above, all-reduce below it."""
     plt = import_pyplot()
     if plt is None:
         return None
+    fig = timeline_figure(plt, cfg, ranks)
+    path = cfg.output_dir / "timeline.png"
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def timeline_figure(plt: object, cfg: RunConfig, ranks: list[list[Span]]) -> object:
+    """The traced steps as a picture: a lane per rank, compute above, all-reduce below it, each
+    step's start marked and labelled, and each rank's hidden share in the title."""
     t0 = min(a for spans in ranks for _, a, _, _ in spans)
     fig, ax = plt.subplots(figsize=(11, 1.4 + 1.1 * len(ranks)), layout="constrained")
     for rank, spans in enumerate(ranks):
@@ -2928,6 +3126,8 @@ def write_timeline_plot(cfg: RunConfig, ranks: list[list[Span]]) -> Path | None:
                 ax.broken_barh([(1000 * (a - t0), 1000 * (b - a))], (top + 0.5, 0.4), color=PHASE_COLOURS[name])
             elif name.startswith("step "):
                 ax.axvline(1000 * (a - t0), color="black", lw=0.5, alpha=0.3)
+                if rank == 0:  # one label per step, above the top lane
+                    ax.text(1000 * (a - t0), len(ranks), f" {name}", va="bottom", fontsize=7)
         comm = all_reduce_lanes(spans)
         height = 0.4 / (max((lane for _, lane in comm), default=0) + 1)
         for (_, a, b, _), lane in comm:
@@ -2938,15 +3138,12 @@ def write_timeline_plot(cfg: RunConfig, ranks: list[list[Span]]) -> Path | None:
     ax.set_yticks([len(ranks) - 1 - r + 0.5 for r in range(len(ranks))], [f"rank {r}" for r in range(len(ranks))])
     ax.set_ylim(0, len(ranks))
     ax.set_xlabel("milliseconds (one clock for every rank)")
-    hidden = [h for h in map(hidden_fraction, ranks) if h is not None]
-    note = f"; all-reduce hidden behind backward: {100 * sum(hidden) / len(hidden):.0f}%" if hidden else ""
-    ax.set_title(f"{cfg.model} model, --ddp {cfg.ddp}, {cfg.bucket_mb:g} MiB buckets{note}", fontsize=10)
+    shares = hidden_shares(ranks)
+    note = f"\nall-reduce hidden behind backward: {shares}" if shares else ""
+    ax.set_title(f"{cfg.model} model, --ddp {cfg.ddp}, {cfg.bucket_mb:g} MiB buckets{note}", fontsize=10, pad=14)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in PHASE_COLOURS.values()]
     fig.legend(handles, list(PHASE_COLOURS), loc="outside lower center", ncol=len(PHASE_COLOURS), frameon=False)
-    path = cfg.output_dir / "timeline.png"
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return fig
 
 
 def peak_memory_per_rank(d: Dist) -> list[str]:
@@ -2966,13 +3163,18 @@ def peak_memory_per_rank(d: Dist) -> list[str]:
     ]
 
 
-def describe_overlap(ranks: list[list[Span]]) -> str:
+def hidden_shares(ranks: list[list[Span]]) -> str:
+    """Each rank's hidden fraction, as the summary and the timeline's title both show it."""
     hidden = [hidden_fraction(spans) for spans in ranks]
+    return ", ".join(f"rank {r} {100 * h:.0f}%" for r, h in enumerate(hidden) if h is not None)
+
+
+def describe_overlap(ranks: list[list[Span]]) -> str:
     if len(ranks) == 1:
         return "none (one process: nothing to synchronise)"
-    if all(h is None for h in hidden):
+    per_rank = hidden_shares(ranks)
+    if not per_rank:
         return "none traced (no traced step synchronised gradients)"
-    per_rank = ", ".join(f"rank {r} {100 * h:.0f}%" for r, h in enumerate(hidden) if h is not None)
     steps = sum(name.startswith("step ") for name, *_ in ranks[0])
     return f"hidden behind backward: {per_rank} of the time a bucket was in flight ({steps} traced steps)"
 
@@ -3214,7 +3416,7 @@ def prepare_metrics_file(cfg: RunConfig, start_step: int) -> None:
     """
     path = cfg.metrics_file
     records = read_metrics_records(path)
-    if start_step == 0 and records and elastic_attempt()[1] == 0:
+    if start_step == 0 and records and restart_count() == 0:
         aside = unused_path(path.with_name(f"{path.name}.before-{time.strftime('%Y%m%d-%H%M%S')}"))
         os.replace(path, aside)
         say(f"[metrics] {path} held {len(records)} record(s) of an earlier run: moved to {aside}")
@@ -3267,8 +3469,11 @@ def run_settings(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
     each step updates it.
 
     A resume with any of these changed would not continue the same run, so it is refused: the
-    optimizer's saved state would silently override a new --weight-decay, and a new --lr,
-    --min-lr or --warmup-steps would bend the schedule mid-run.
+    optimizer's saved state would silently override a new --weight-decay, a new --lr, --min-lr or
+    --warmup-steps would bend the schedule mid-run, and another --precision, --dtype,
+    --grad-compression, --ddp, backend or device would compute every later step differently.
+    What only watches, reports or paces the run (--bucket-mb, --eval-every, --trace-steps, ...)
+    stays free, and --max-steps may grow (MAY_CHANGE_ON_RESUME).
     """
     settings = {
         "model": cfg.model,
@@ -3286,7 +3491,15 @@ def run_settings(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
         "loss_normalization": cfg.loss_normalization,
         "training_data_sha256": kit.train.digest(),
         "max_steps": cfg.max_steps,
+        # How each step is computed: the numbers differ in their last bits or more when these do.
+        "precision": choose_precision(cfg, d) if cfg.precision == "auto" else cfg.precision,
+        "grad_compression": cfg.grad_compression,
+        "ddp": cfg.ddp,
+        "backend": d.backend,
+        "device": d.device.type,
     }
+    if d.device.type == "cuda":
+        settings["tf32"] = cfg.tf32
     if cfg.model == "tiny":
         settings |= {"d_model": cfg.d_model, "n_heads": cfg.n_heads, "n_layers": cfg.n_layers, "dropout": cfg.dropout}
     else:
@@ -3296,6 +3509,8 @@ def run_settings(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
             "lora_alpha": cfg.lora_alpha,
             "lora_dropout": cfg.lora_dropout,
             "lora_targets": list(cfg.lora_targets),
+            "dtype": str(choose_weights_dtype(cfg, d)).removeprefix("torch.") if cfg.dtype == "auto" else cfg.dtype,
+            "attn_implementation": cfg.attn_implementation,
         }
     return settings
 
@@ -3430,19 +3645,21 @@ def prune_checkpoints(cfg: RunConfig) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def find_resume_state(cfg: RunConfig, d: Dist, settings: dict) -> dict | None:
+def find_resume_state(cfg: RunConfig, d: Dist, settings: dict, final_name: str) -> dict | None:
     """Rank 0 picks and reads the checkpoint to resume from; every rank gets the same state.
 
     Only rank 0 reads, so a checkpoint on rank 0's local disk is enough, and rank 0's choice
     (including skipping a damaged checkpoint) reaches every rank through one broadcast.
     """
-    return rank0_then_share(d, "could not read the checkpoint", lambda: choose_checkpoint(cfg, settings), UsageError)
+    choose = functools.partial(choose_checkpoint, cfg, settings, final_name)
+    return rank0_then_share(d, "could not read the checkpoint", choose, UsageError)
 
 
-def choose_checkpoint(cfg: RunConfig, settings: dict) -> dict | None:
+def choose_checkpoint(cfg: RunConfig, settings: dict, final_name: str) -> dict | None:
     root = checkpoint_root(cfg)
     mode = resume_mode(cfg)
     if mode == "none":
+        refuse_to_replace_a_finished_model(cfg, final_name)
         if root.exists():
             # Starting over must not mix this run's checkpoints with an earlier run's.
             aside = unused_path(cfg.output_dir / f"checkpoints.before-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -3452,6 +3669,7 @@ def choose_checkpoint(cfg: RunConfig, settings: dict) -> dict | None:
     if mode == "auto":
         folder, state = newest_usable_checkpoint(root)
         if state is None:
+            refuse_to_replace_a_finished_model(cfg, final_name)
             return None
     else:
         folder = Path(cfg.resume)
@@ -3468,13 +3686,25 @@ def choose_checkpoint(cfg: RunConfig, settings: dict) -> dict | None:
     return state
 
 
+def refuse_to_replace_a_finished_model(cfg: RunConfig, final_name: str) -> None:
+    """A run that starts from step 0 in a folder holding a finished run's model would replace that
+    model at its end. The lock keeps two runs apart at once, this one after the other. (Resuming a
+    checkpoint there continues that run, and its model is this run's to replace.)"""
+    final = cfg.output_dir / final_name
+    if final.exists() and not cfg.overwrite and restart_count() == 0:
+        raise UsageError(
+            f"{cfg.output_dir} already holds a finished run's model ({final}); this run would replace it: "
+            "give it its own --output-dir, or pass --overwrite"
+        )
+
+
 def resume_mode(cfg: RunConfig) -> str:
     """auto, none or a path: --resume, except in an attempt torchrun restarted.
 
     A restart must continue from the newest checkpoint this job wrote: going back to --resume
     PATH would throw away everything trained since, and --resume none would set it all aside.
     """
-    if cfg.resume != "auto" and elastic_attempt()[1] > 0:
+    if cfg.resume != "auto" and restart_count() > 0:
         say(f"[resume] torchrun restarted the job: --resume {cfg.resume} was for its first attempt; using auto")
         return "auto"
     return cfg.resume
@@ -3559,26 +3789,18 @@ def check_same_run(state: dict, settings: dict, folder: Path) -> None:
 STOP_MARKER = "stop_request.json"
 
 
-def elastic_attempt() -> tuple[str | None, int]:
-    """torchrun's launch (None without torchrun) and how many times it has restarted the job.
-
-    The launch is the run id *and* the agent process (rank 0's parent) on its host: run ids
-    repeat across launches (torchrun's default --rdzv-id is "none"; a requeued Slurm job keeps
-    its id), while one agent lives exactly as long as one launch.
-    """
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    launch = f"{run_id}@{socket.gethostname()}:{os.getppid()}" if run_id is not None else None
-    return launch, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+def restart_count() -> int:
+    """How many times torchrun has restarted this job (0: the first attempt, or no torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def write_stop_marker(cfg: RunConfig, step: int, signal_name: str) -> None:
-    launch, attempt = elastic_attempt()
-    if launch is not None:
-        marker = {"launch": launch, "restart_count": attempt, "step": step, "signal": signal_name}
+def write_stop_marker(cfg: RunConfig, d: Dist, step: int, signal_name: str) -> None:
+    if d.launch is not None:
+        marker = {"launch": d.launch, "restart_count": restart_count(), "step": step, "signal": signal_name}
         atomic_write(cfg.output_dir / STOP_MARKER, json.dumps(marker).encode())
 
 
-def stopped_in_an_earlier_attempt(cfg: RunConfig) -> bool:
+def stopped_in_an_earlier_attempt(cfg: RunConfig, d: Dist) -> bool:
     path = cfg.output_dir / STOP_MARKER
     if not path.exists():
         return False
@@ -3586,8 +3808,8 @@ def stopped_in_an_earlier_attempt(cfg: RunConfig) -> bool:
         marker = json.loads(path.read_bytes())
     except (OSError, ValueError):
         marker = None
-    launch, attempt = elastic_attempt()
-    if isinstance(marker, dict) and marker.get("launch") == launch and attempt > marker.get("restart_count", attempt):
+    attempt = restart_count()
+    if isinstance(marker, dict) and marker.get("launch") == d.launch and attempt > marker.get("restart_count", attempt):
         return True
     path.unlink(missing_ok=True)  # another launch: the stop is over, and resuming is what is asked now
     return False
@@ -3620,12 +3842,13 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
     log(d, f"[connect] backend {d.backend or 'none'} on {d.device}: {d.why}")
     if not cfg.show_examples:  # first: before this run reads or clears anything in the folder
         rank0_then_share(d, "could not write the outputs", lambda: OUTPUT_LOCK.hold(cfg.output_dir), UsageError)
-    if rank0_then_share(d, "could not read the stop marker", lambda: stopped_in_an_earlier_attempt(cfg)):
+    if rank0_then_share(d, "could not read the stop marker", lambda: stopped_in_an_earlier_attempt(cfg, d)):
         log(d, "[stop] torchrun restarted the job after a requested stop: it stays stopped; run it again to resume")
         tell_torchrun("stopped on request in an earlier attempt (exit code 3): run the command again to resume")
         raise SystemExit(EXIT_STOPPED)
     if d.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = cfg.tf32  # fp32 matmuls on tensor cores: ~10 bits of mantissa
+    warn_if_bf16_is_emulated(cfg, d)
     records, fmt = read_records(cfg.corpus_file, cfg.data_format)
     if cfg.model == "tiny" and fmt != "text":
         raise UsageError(f"{cfg.corpus_file} holds {fmt} records; the tiny byte model trains on text: use --model qwen")
@@ -3646,10 +3869,12 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
     )
     log(d, f"[model] {kit.describe}")
     cfg = steps_for_epochs(cfg, d, kit)
+    if warmup_note := describe_warmup(cfg):
+        log(d, warmup_note)
 
     rank0_writes(d, "the outputs", lambda: prepare_outputs(cfg), error=UsageError)
     settings = run_settings(cfg, d, kit) if d.is_main else {}  # what a checkpoint must match to resume
-    resume = find_resume_state(cfg, d, settings)
+    resume = find_resume_state(cfg, d, settings, kit.final_name)
     if cfg.metrics_file:
         start = resume["progress"]["step"] if resume else 0
         rank0_writes(d, "the metrics file", lambda: prepare_metrics_file(cfg, start), error=UsageError)
@@ -3660,7 +3885,7 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
     if cfg.trace_steps and not trace_file:
         log(d, "[trace] no step ended: nothing to write")
     if result.stopped_by:
-        rank0_writes(d, "the stop marker", lambda: write_stop_marker(cfg, step, result.stopped_by))
+        rank0_writes(d, "the stop marker", lambda: write_stop_marker(cfg, d, step, result.stopped_by))
         again = "the same command resumes there" if cfg.resume == "auto" else "--resume auto resumes there"
         log(d, f"[stop] {result.stopped_by}: every rank stopped after step {step}; {again}")
         tell_torchrun(f"stopped cleanly by {result.stopped_by} after step {step}, checkpoint written (exit code 3)")
@@ -3781,6 +4006,7 @@ def main(argv: list[str] | None = None) -> None:
         report_error(str(e), every_rank=True)
         raise SystemExit(1) from None
     STOP.install()
+    end_with_the_launcher()
     try:
         run(cfg, d, started)
     except UsageError as e:

@@ -19,7 +19,7 @@ SCRIPT = REPO / "llm_ddp_parallel_training.py"
 sys.path.insert(0, str(REPO))
 
 # Small and fast: the behaviour under test does not depend on model size.
-TINY = ["--cpu", "--d-model", "32", "--n-heads", "2", "--seq-len", "64", "--batch-size", "4"]
+TINY = ["--cpu", "--d-model", "32", "--n-heads", "2", "--n-layers", "1", "--seq-len", "64", "--batch-size", "4"]
 
 
 @dataclass

@@ -8,6 +8,7 @@ the examples it had not seen, with the same optimizer state and the same dropout
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import resource
@@ -408,15 +409,46 @@ def test_the_stop_marker_holds_only_for_restarts_of_the_same_launch(tmp_path, mo
     import llm_ddp_parallel_training as t
 
     cfg = t.parse_args([*TINY, "--output-dir", str(tmp_path)])
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's default --rdzv-id: the same every launch
+    stopped = t.Dist(0, 0, 2, 2, torch.device("cpu"), "gloo", "", launch="3f2a")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    t.write_stop_marker(cfg, 20, "SIGTERM")
+    t.write_stop_marker(cfg, stopped, 20, "SIGTERM")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    assert t.stopped_in_an_earlier_attempt(cfg), "a restart of the stopped launch stays stopped"
-    marker = tmp_path / t.STOP_MARKER
-    marker.write_text(marker.read_text().replace(f":{os.getppid()}", ":1"))  # another agent: another launch
-    assert not t.stopped_in_an_earlier_attempt(cfg)
-    assert not marker.exists(), "a new launch clears the marker and resumes"
+    assert t.stopped_in_an_earlier_attempt(cfg, stopped), "a restart of the stopped launch stays stopped"
+    another = dataclasses.replace(stopped, launch="9c41")
+    assert not t.stopped_in_an_earlier_attempt(cfg, another), "another launch resumes"
+    assert not (tmp_path / t.STOP_MARKER).exists(), "a new launch clears the marker"
+
+
+def test_a_requested_stop_stays_stopped_with_a_process_between_torchrun_and_python(tmp_path):
+    # Every restart starts a new bash, so the ranks' parent changes; the launch does not.
+    args = [*RUN, "--output-dir", str(tmp_path), "--log-every", "1", "--max-steps", "400"]
+    wrapped = f"{sys.executable} {SCRIPT} {' '.join(args)}; exit $?"  # a compound command: bash stays
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+           "--no-python", "bash", "-c", wrapped]  # fmt: skip
+
+    def stop_one_rank(launcher: int) -> None:
+        ranks = [pid for shell in child_pids(launcher) for pid in child_pids(shell)]
+        os.kill(ranks[0], signal.SIGTERM)
+
+    returncode, output, _ = signal_at_step(cmd, 20, stop_one_rank)
+    assert "every rank stopped after step" in output, output
+    assert "torchrun restarted the job after a requested stop: it stays stopped" in output, output
+    assert "continuing from" not in output and not (tmp_path / "tiny_transformer.pt").exists()
+    assert returncode != 0
+
+
+def test_resuming_with_another_precision_compression_or_ddp_is_refused_naming_each(uninterrupted, tmp_path):
+    out = tmp_path / "copy"
+    shutil.copytree(uninterrupted, out)
+    changed = ["--precision", "bf16", "--grad-compression", "bf16", "--ddp", "manual", "--max-steps", "130"]
+    run = launch([*RUN, "--output-dir", str(out), *changed], nproc=2)
+    assert run.returncode != 0 and "exitcode  : 2" in run.stderr
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: cannot resume")]
+    assert len(errors) == 1, run.stderr
+    for named in ("precision: 'fp32' then, 'bf16' now", "grad_compression: 'none' then, 'bf16' now",
+                  "ddp: 'torch' then, 'manual' now"):  # fmt: skip
+        assert named in errors[0]
+    assert "max_steps" not in errors[0], "a longer run is a free change"
 
 
 def test_an_older_checkpoint_without_the_newer_settings_still_resumes(capsys):

@@ -44,3 +44,9 @@ def test_help_shows_no_placeholder_defaults_or_python_tuples():
     text = t.build_arg_parser().format_help()
     assert "(default: None)" not in text and "(default: (" not in text and "(default: False)" not in text
     assert text.count("\nreporting:") + text.count("\nvalidation and reporting:") == 1
+
+
+def test_help_names_both_paths_and_who_each_is_for():
+    help_text = " ".join(t.build_arg_parser().format_help().split())
+    assert "byte-level Transformer from scratch" in help_text and "--nproc 2" in help_text
+    assert "LoRA adapters on Qwen2.5" in help_text and "--model qwen" in help_text

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
+import pytest
 import torch
 from conftest import TINY, assert_ok, child_env, free_port, launch, run_cmd, torchrun_cmd
 
@@ -140,3 +144,46 @@ def test_ctrl_c_to_the_nproc_launcher_stops_every_rank_with_a_checkpoint(tmp_pat
     assert proc.returncode == t.EXIT_STOPPED, output
     stopped_at = int(output.split("stopped after step ")[1].split(";")[0])
     assert (tmp_path / "checkpoints" / f"step_{stopped_at:08d}" / "manifest.json").exists()
+
+
+def process_alive(pid: int) -> bool:
+    """Running or sleeping, not gone and not a zombie left for a parent that no longer reaps it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ranks_end_with_a_checkpoint_when_their_nproc_launcher_is_killed(tmp_path):
+    # A killed notebook kernel or an OOM kill: SIGKILL, which the launcher cannot pass on.
+    out, log = tmp_path / "out", tmp_path / "log.txt"
+    args = [*TINY, "--log-every", "1", "--save-every", "100000", "--output-dir", str(out)]
+    with open(log, "w") as sink:
+        proc = subprocess.Popen([sys.executable, str(t.__file__), *args, "--max-steps", "100000", "--nproc", "2"],
+                                stdout=sink,
+                                stderr=subprocess.STDOUT, env=child_env(), start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while "step     5/" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        ranks = [int(pid) for pid in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+        assert len(ranks) == 2
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while any(map(process_alive, ranks)):
+            assert time.monotonic() < deadline, f"ranks outlived their launcher:\n{log.read_text()}"
+            time.sleep(0.2)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    output = log.read_text()
+    assert "[stop] the --nproc launcher has gone: every rank stops after this step" in output
+    stopped_at = int(output.split("stopped after step ")[1].split(";")[0])
+    assert (out / "checkpoints" / f"step_{stopped_at:08d}" / "manifest.json").exists()
+    # The folder is free again (run.lock went with the ranks), and the same run resumes there.
+    resumed = launch([*args, "--max-steps", str(stopped_at + 1)], nproc=2)
+    assert_ok(resumed)
+    assert f"(step {stopped_at}" in resumed.stdout

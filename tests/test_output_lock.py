@@ -50,7 +50,23 @@ def test_a_killed_run_leaves_no_lock_behind(tmp_path):
     first.wait()
     assert (tmp_path / "run.lock").exists()  # the file stays; the operating system's lock went with the process
     assert_ok(launch([*TINY, "--max-steps", "2", "--output-dir", str(tmp_path)]))
-    assert_ok(launch([*TINY, "--max-steps", "2", "--output-dir", str(tmp_path)]))  # a finished run holds nothing
+    # A finished run holds nothing (its model is replaced only on request).
+    assert_ok(launch([*TINY, "--max-steps", "2", "--overwrite", "--output-dir", str(tmp_path)]))
+
+
+def test_a_new_run_into_a_folder_holding_a_finished_model_is_refused_unless_it_resumes_or_overwrites(tmp_path):
+    assert_ok(launch([*TINY, "--max-steps", "2", "--output-dir", str(tmp_path)]))
+    finished = (tmp_path / "tiny_transformer.pt").read_bytes()
+    run = launch([*TINY, "--max-steps", "3", "--output-dir", str(tmp_path)], nproc=2)
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert run.returncode != 0 and len(errors) == 1, run.stderr
+    assert f"{tmp_path} already holds a finished run's model" in errors[0] and "--overwrite" in errors[0]
+    assert (tmp_path / "tiny_transformer.pt").read_bytes() == finished
+    resumable = tmp_path / "resumable"  # a run with checkpoints continues: its model is its own
+    assert_ok(launch([*TINY, "--max-steps", "2", "--save-every", "2", "--output-dir", str(resumable)]))
+    assert_ok(launch([*TINY, "--max-steps", "3", "--save-every", "2", "--output-dir", str(resumable)]))
+    assert_ok(launch([*TINY, "--max-steps", "3", "--overwrite", "--output-dir", str(tmp_path)]))
+    assert (tmp_path / "tiny_transformer.pt").read_bytes() != finished
 
 
 def test_a_filesystem_without_locks_gets_a_warning_not_a_refusal(tmp_path, monkeypatch, capsys):

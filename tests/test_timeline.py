@@ -181,3 +181,19 @@ def test_collected_spans_move_onto_rank_0s_clock():
     timeline = t.Timeline(1, d.device)
     timeline.spans = [("forward", 1.0, 2.0, {})]
     assert t.collect_trace(d, timeline, [5.0]) == [[("forward", 6.0, 7.0, {})]]
+
+
+def test_the_timeline_picture_labels_every_step_and_titles_each_ranks_hidden_share():
+    plt = t.import_pyplot()
+    steps = [("step 1", 0.0, 1.0, {}), ("backward", 0.2, 0.8, {}), ("step 2", 1.0, 2.0, {}), ("backward", 1.2, 1.8, {})]
+    ranks = [
+        [*steps, ("all-reduce", 0.6, 0.8, {}), ("all-reduce", 1.7, 1.9, {})],  # rank 0: 3 of 4 tenths hidden
+        [*steps, ("all-reduce", 0.8, 1.0, {}), ("all-reduce", 1.8, 2.0, {})],  # rank 1: none hidden
+    ]
+    cfg = t.parse_args(["--cpu"])
+    fig = t.timeline_figure(plt, cfg, ranks)
+    ax = fig.axes[0]
+    assert [text.get_text().strip() for text in ax.texts] == ["step 1", "step 2"]
+    assert "hidden behind backward: rank 0 75%, rank 1 0%" in ax.get_title()
+    assert t.hidden_shares(ranks) in t.describe_overlap(ranks), "the title and the summary give the same shares"
+    plt.close(fig)

@@ -213,3 +213,64 @@ def test_one_process_says_it_synchronises_nothing(tmp_path):
     assert_ok(run)
     assert "[run] gradient sync: none (one process" in run.stdout
     assert "MiB buckets" not in run.stdout
+
+
+def test_without_warmup_step_1_trains_at_the_full_rate():
+    cfg = t.parse_args([*TINY, "--lr", "0.5", "--warmup-steps", "0", "--max-steps", "10"])
+    assert t.lr_at(cfg, 1) == 0.5
+    assert t.lr_at(cfg, 2) < 0.5 and t.lr_at(cfg, 10) == pytest.approx(0.05)
+
+
+def test_a_warmup_longer_than_half_the_run_becomes_a_tenth_of_it():
+    cfg = t.parse_args([*TINY, "--lr", "0.003", "--max-steps", "15"])  # the default 20 warmup steps
+    assert t.warmup_steps(cfg) == 1
+    assert t.lr_at(cfg, 1) == 0.003 and t.lr_at(cfg, 15) == pytest.approx(0.0003)
+    assert "more than half of this run's 15 steps: warming up for 1 step instead" in t.describe_warmup(cfg)
+    kept = t.parse_args([*TINY, "--warmup-steps", "10", "--max-steps", "20"])  # half the run: as asked
+    assert t.warmup_steps(kept) == 10 and t.describe_warmup(kept) is None
+
+
+def test_a_short_run_says_its_warmup_was_capped_and_ends_decayed(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    run = launch([*TINY, "--max-steps", "6", "--log-every", "1", "--lr", "0.003", "--val-fraction", "0",
+                  "--metrics-file", str(metrics), "--output-dir", str(tmp_path)])  # fmt: skip
+    assert_ok(run)
+    assert "[run] --warmup-steps 20 is more than half of this run's 6 steps: warming up for 1 step" in run.stdout
+    lrs = [json.loads(line)["lr"] for line in metrics.read_text().splitlines()]
+    assert lrs[0] == pytest.approx(0.003) and lrs[-1] == pytest.approx(0.0003)
+
+
+def test_validation_with_fewer_held_out_examples_than_ranks_is_the_mean_over_those_that_exist(tmp_path):
+    lines = [f"line {i}: each rank averages the gradients it computed." for i in range(12)]
+    corpus = tmp_path / "small.txt"
+    corpus.write_text("\n".join(lines) + "\n")
+    out, metrics = tmp_path / "out", tmp_path / "metrics.jsonl"
+    run = launch([*TINY, "--corpus-file", str(corpus), "--batch-size", "1", "--max-steps", "2",
+                  "--metrics-file", str(metrics), "--output-dir", str(out)], nproc=2)  # fmt: skip
+    assert_ok(run)
+    _, val_lines = t.split_lines(lines, 0.1, seed=1337)
+    val = t.encode_lines_as_bytes(val_lines, seq_len=64, pack=True)
+    assert len(val) == 1, "one held-out example: rank 1 holds none"
+    model = t.load_tiny_checkpoint(out / "tiny_transformer.pt")
+    with torch.no_grad():
+        direct = t.token_loss_sum(model(val.inputs), val.targets).item() / int((val.targets != t.IGNORE_INDEX).sum())
+    assert json.loads(metrics.read_text().splitlines()[-1])["val_loss"] == pytest.approx(direct, rel=1e-5)
+
+
+def test_the_defaults_are_the_good_short_run():
+    # The run a learner gets with no flag is the quick start's: a 2-layer model that writes
+    # readable text in about a minute, not a benchmark-sized one that ends in gibberish.
+    cfg = t.parse_args([])
+    assert (cfg.d_model, cfg.n_heads, cfg.n_layers, cfg.batch_size, cfg.max_steps) == (128, 4, 2, 8, 600)
+
+
+def test_emulated_bf16_on_a_cpu_is_said_at_start_up(tmp_path):
+    # This CPU may compute bf16 natively; capping oneDNN and ATen at AVX2 (no bf16 instructions)
+    # makes it emulate bf16, as an AVX2-only CPU does.
+    env = child_env({"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "OMP_NUM_THREADS": "1"})
+    run = launch([*TINY, "--precision", "bf16", "--max-steps", "1", "--val-fraction", "0", "--output-dir",
+                  str(tmp_path)], env=env)  # fmt: skip
+    assert_ok(run)
+    warning = [line for line in run.stdout.splitlines() if "no bf16 instructions" in line]
+    assert len(warning) == 1 and "x slower than fp32" in warning[0] and "--precision fp32" in warning[0]
+    assert t.choose_precision(t.parse_args(["--cpu"]), t.setup_distributed(t.parse_args(["--cpu"]))) == "fp32"
