@@ -714,14 +714,19 @@ def end_with_the_launcher() -> None:
         return
 
     def watch() -> None:
-        sys.stdin.buffer.read()  # returns at the end of the pipe: the launcher has gone
+        # A raw read, not sys.stdin's: a daemon thread blocked inside a buffered reader holds its
+        # lock, and the interpreter aborts when it finds that lock taken at shutdown.
+        while os.read(0, 64):  # b"": the end of the pipe, the launcher has gone
+            pass
+        if STOP.signal is None:
+            STOP.signal, STOP.at = signal.SIGTERM, time.monotonic()
         try:
-            os.write(2, b"[stop] the --nproc launcher has gone: every rank stops after this step\n")
-        except OSError:  # and whoever read our output with it: write nowhere from now on
+            if os.environ.get("LOCAL_RANK") == "0":
+                os.write(2, b"[stop] the --nproc launcher has gone: every rank stops after this step\n")
+        except OSError:  # and whoever read our output went with it: write nowhere from now on
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, 1)
             os.dup2(devnull, 2)
-        STOP.signal, STOP.at = STOP.signal or signal.SIGTERM, time.monotonic()
         time.sleep(LAUNCHER_GONE_GRACE_S)
         os._exit(1)
 
@@ -2415,8 +2420,9 @@ def choose_precision(cfg: RunConfig, d: Dist) -> str:
 
 
 def warn_if_bf16_is_emulated(cfg: RunConfig, d: Dist) -> None:
-    """bf16 on a CPU without bf16 instructions (AVX2-only x86, say) is emulated: measured here, a
-    default-model step ran 35x slower than in fp32. Nothing else would say so."""
+    """bf16 on a CPU without bf16 instructions (AVX2-only x86, say) is emulated, and nothing else
+    would say so: on a 2-core AVX2-only AMD EPYC, one rank of the tiny model (d 512) trained at 96
+    tokens/s in bf16 against about 3,300 in fp32."""
     wants_bf16 = cfg.precision == "bf16" or (cfg.model == "qwen" and cfg.dtype == "bfloat16")
     if not (d.is_main and d.device.type == "cpu" and wants_bf16):
         return
