@@ -2424,20 +2424,25 @@ def warn_if_bf16_is_emulated(cfg: RunConfig, d: Dist) -> None:
     would say so: on a 2-core AVX2-only AMD EPYC, one rank of the tiny model (d 512) trained at 96
     tokens/s in bf16 against about 3,300 in fp32."""
     wants_bf16 = cfg.precision == "bf16" or (cfg.model == "qwen" and cfg.dtype == "bfloat16")
-    if not (d.is_main and d.device.type == "cpu" and wants_bf16):
-        return
-    slowdown = cpu_bf16_slowdown()
-    if slowdown > 3:
+    if d.is_main and d.device.type == "cpu" and wants_bf16 and cpu_emulates_bf16():
         say(
-            f"[run] warning: this CPU has no bf16 instructions: bf16 is emulated here, {slowdown:.0f}x slower than "
-            "fp32 in a 256x256 matmul just now; --precision fp32 is faster"
+            f"[run] warning: this CPU has no bf16 instructions: bf16 is emulated here, {cpu_bf16_slowdown():.0f}x "
+            "slower than fp32 in a 256x256 matmul just now; --precision fp32 is faster"
         )
 
 
+def cpu_emulates_bf16() -> bool:
+    """Whether torch's CPU kernels (oneDNN) lack bf16 instructions on this CPU. oneDNN's own answer,
+    which also honours a cap such as ONEDNN_MAX_CPU_ISA=AVX2; a build without oneDNN is timed."""
+    try:
+        return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    except (AttributeError, RuntimeError):
+        return cpu_bf16_slowdown() > 3
+
+
 def cpu_bf16_slowdown(n: int = 256, repeats: int = 3) -> float:
-    """How many times longer an n x n matmul takes in bf16 than in fp32 on this CPU (best of a few).
-    Timed rather than read from CPU flags, which differ by vendor and platform: a CPU that computes
-    bf16 does it as fast as fp32 or faster; one that emulates it, many times slower."""
+    """How many times longer an n x n matmul takes in bf16 than in fp32 on this CPU (best of a few):
+    a CPU that computes bf16 does it about as fast as fp32; one that emulates it, many times slower."""
     seconds = []
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(n, n).to(dtype)
