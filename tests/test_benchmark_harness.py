@@ -1,7 +1,9 @@
-"""benchmarks/benchmark.py cleans up after itself: its temp folder and its child processes."""
+"""benchmarks/benchmark.py cleans up after itself: its temp folder and its child processes; it
+names the model it measures in full; and it reports 2 ranks against two independent 1-rank runs."""
 
 from __future__ import annotations
 
+import importlib.util
 import signal
 import subprocess
 import sys
@@ -58,6 +60,7 @@ def test_smoke_run_removes_its_temp_folder(tmp_path):
     out, err = finish(proc, timeout=240)
     assert proc.returncode == 0, f"--- stdout\n{out}\n--- stderr\n{err}"
     assert "| scaling, 2 ranks vs 1" in out
+    assert "| 2 ranks vs the 1-rank run twice at once, same rounds (goal >= 0.97) | " in out
     assert "now removed (--keep-outputs or --out DIR keeps them)" in out
     assert benchmark_folders(tmp_path) == []
 
@@ -82,3 +85,34 @@ def test_a_stopped_benchmark_ends_its_runs_and_removes_its_folder_unless_kept(tm
         assert folder.is_dir() and f"outputs so far kept in {folder}" in err
     else:
         assert benchmark_folders(tmp_path) == []
+
+
+def load_benchmark():
+    spec = importlib.util.spec_from_file_location("benchmark", BENCHMARK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_benchmark_pins_the_model_it_measures():
+    """The README's numbers are for d 512, 8 heads, 1 layer, sequence 128, batch 16: the benchmark
+    says so on every command line rather than trusting the script's defaults, which move."""
+    benchmark = load_benchmark()
+    cfg = benchmark.script.parse_args(["--cpu", *benchmark.TINY_MODEL])
+    assert (cfg.d_model, cfg.n_heads, cfg.n_layers, cfg.seq_len, cfg.batch_size) == (512, 8, 1, 128, 16)
+    flags = {flag for flag in benchmark.TINY_MODEL if flag.startswith("--")}
+    assert flags == {flag for flag in benchmark.SMOKE_MODEL if flag.startswith("--")}
+
+
+def test_two_ranks_are_compared_with_the_pair_of_their_own_round():
+    benchmark = load_benchmark()
+    one = [{"tokens_per_sec": 100.0, "ms_forward": 1.0}, {"tokens_per_sec": 50.0, "ms_forward": 2.0}]
+    two = [{"tokens_per_sec": 190.0, "ms_forward": 1.0}, {"tokens_per_sec": 90.0, "ms_forward": 3.0}]
+    pair = [200.0, 90.0]  # round 2 was slow for everyone alike: its ratio is 1.0, not 90/200
+    result = benchmark.scaling_summary(one, two, pair)
+    assert result["rounds"]["two_vs_pair"] == [0.95, 1.0]
+    assert result["two_vs_pair"] == pytest.approx(0.975)
+    assert result["ratio"] == pytest.approx((1.9 + 1.8) / 2)
+    assert result["pair_ratio"] == pytest.approx((2.0 + 1.8) / 2)
+    assert result["pair_tokens_per_sec"] == 145.0
+    assert result["two_ranks"] == {"tokens_per_sec": 140.0, "ms_forward": 2.0}

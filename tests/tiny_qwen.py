@@ -1,15 +1,27 @@
-"""Build a tiny random Qwen2 model and a byte-level BPE tokenizer offline, for the LoRA tests.
+"""Build a tiny random Qwen2 model and a byte-level BPE tokenizer offline, for the LoRA tests and
+for trying the pretrained/chat path with no download.
 
 The architecture is the real one (transformers' Qwen2ForCausalLM: grouped KV heads, RoPE, RMSNorm,
 tied embeddings like Qwen2.5-0.5B), only small. The tokenizer is trained here with the tokenizers
 library using Qwen2's own normalizer and pre-tokenizer: transformers 5 always rebuilds a "qwen2"
 folder's tokenizer as Qwen2Tokenizer from vocab + merges, so any other pipeline would not survive
-the reload. Like many base checkpoints it has an EOS token and no pad token.
+the reload. Like many base checkpoints it has an EOS token and no pad token; it carries Qwen2.5's
+stock chat template.
+
+From the command line (the README's offline chat example):
+
+    python tests/tiny_qwen.py runs/tiny-qwen --chat-file runs/chat.jsonl
+
+writes the model folder (BPE trained on corpus.txt's lines) and, with --chat-file, a chat file in
+the "messages" format made from the same lines: one conversation per line, the user says its
+first half and the assistant its second.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -137,3 +149,78 @@ def build_tiny_qwen(out_dir: Path, lines: list[str], vocab_size: int = 400, seed
     model.generation_config.eos_token_id = eos
     model.save_pretrained(out_dir)
     return out_dir
+
+
+def corpus_lines(path: Path) -> list[str]:
+    """The corpus's non-blank lines, as the training script reads a .txt corpus."""
+    return [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def halves(line: str) -> tuple[str, str]:
+    """Split a line at the space nearest its middle: (first half, second half), neither empty."""
+    words = line.split()
+    if len(words) < 2:
+        raise ValueError(f"a line of one word cannot be split into a question and a reply: {line!r}")
+    middle = len(line) / 2
+    ends = [len(" ".join(words[:i])) for i in range(1, len(words))]
+    cut = min(range(1, len(words)), key=lambda i: abs(ends[i - 1] - middle))
+    return " ".join(words[:cut]), " ".join(words[cut:])
+
+
+def write_chat_file(path: Path, lines: list[str]) -> int:
+    """One {"messages": [user, assistant]} record per line that has two words or more; returns the count."""
+    records = []
+    for line in lines:
+        if len(line.split()) < 2:
+            continue
+        user, assistant = halves(line)
+        messages = [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+        records.append(json.dumps({"messages": messages}, ensure_ascii=False))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(r + "\n" for r in records), encoding="utf-8")
+    return len(records)
+
+
+def main(argv: list[str] | None = None) -> int:
+    repo = Path(__file__).resolve().parents[1]
+    parser = argparse.ArgumentParser(
+        description="Build a tiny random Qwen2 model with a BPE tokenizer and Qwen2.5's chat template, "
+        "offline: a stand-in for --model-name-or-path to try the --model qwen path without a download.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="the model folder to write")
+    parser.add_argument(
+        "--corpus", type=Path, default=repo / "corpus.txt", help="text whose lines train the BPE tokenizer"
+    )
+    parser.add_argument(
+        "--chat-file",
+        type=Path,
+        default=None,
+        help="also write a .jsonl chat file: one conversation per corpus line, "
+        "the user says its first half, the assistant its second",
+    )
+    parser.add_argument("--vocab-size", type=int, default=400, help="BPE vocabulary size, special tokens included")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    args = parser.parse_args(argv)
+
+    try:
+        lines = corpus_lines(args.corpus)
+    except (OSError, UnicodeDecodeError) as e:
+        print(f"error: cannot read --corpus {args.corpus}: {e}", file=sys.stderr)
+        return 2
+    if not lines:
+        print(f"error: --corpus {args.corpus} has no non-blank lines", file=sys.stderr)
+        return 2
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a bar for writing one small file says nothing
+    build_tiny_qwen(args.out_dir, lines, vocab_size=args.vocab_size, seed=args.seed)
+    print(f"model: {args.out_dir} (tiny random Qwen2, BPE tokenizer trained on {len(lines)} lines of {args.corpus})")
+    if args.chat_file:
+        count = write_chat_file(args.chat_file, lines)
+        print(f"chat file: {args.chat_file} ({count} conversations, one per line of {args.corpus})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

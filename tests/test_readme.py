@@ -1,0 +1,147 @@
+"""The README's promises: its first screen, its first commands, its timings, and its offline chat example."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, SCRIPT, assert_ok, run_cmd
+
+README = (REPO / "README.md").read_text(encoding="utf-8")
+NOTEBOOK = (REPO / "ddp_walkthrough.ipynb").read_text(encoding="utf-8")
+FENCE = re.compile(r"^ *```(\w*)\n(.*?)^ *```$", re.M | re.S)  # indented too: inside a list item
+
+
+def section(heading: str) -> str:
+    """A section's text, from its heading to the next heading of the same level or higher (a "# "
+    inside a code block is a comment, not a heading)."""
+    level, lines, inside, in_code = len(heading.split(" ")[0]), [], False, False
+    for line in README.splitlines():
+        in_code ^= line.lstrip().startswith("```")
+        depth = len(line) - len(line.lstrip("#")) if not in_code and line.startswith("#") else 0
+        if inside and 0 < depth <= level:
+            break
+        inside = inside or line == heading
+        if inside:
+            lines.append(line)
+    assert lines, heading
+    return "\n".join(lines) + "\n"
+
+
+def blocks(text: str, language: str) -> list[str]:
+    return [body for lang, body in FENCE.findall(text) if lang == language]
+
+
+def commands(block: str) -> list[str]:
+    """A bash block's commands: continuation lines joined, comments and blank lines left out."""
+    joined = re.sub(r"\\\n\s*", " ", block)
+    return [line.strip() for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def script_commands() -> list[list[str]]:
+    """Every command in the README's bash blocks that runs the training script, as its arguments."""
+    found = []
+    for block in blocks(README, "bash"):
+        for command in commands(block):
+            words = shlex.split(command.split("&&")[-1], comments=True)
+            if "llm_ddp_parallel_training.py" in words:
+                found.append(words)
+    return found
+
+
+def test_the_first_screen_names_both_users_with_one_command_each():
+    first_screen = "\n".join(README.splitlines()[:30])
+    learner, practitioner = (commands(block) for block in blocks(first_screen, "bash"))
+    assert learner == ["python llm_ddp_parallel_training.py --cpu --nproc 2"]
+    assert len(practitioner) == 1 and practitioner[0].startswith("torchrun ")
+    assert "--model qwen" in practitioner[0] and "--corpus-file chat.jsonl" in practitioner[0]
+    assert "LoRA" in first_screen and "CPU" in first_screen and "GPU" in first_screen
+
+
+def test_the_quick_starts_first_command_is_the_nproc_run_with_no_other_flags():
+    first = commands(blocks(section("## Quick start"), "bash")[0])[0]
+    run = shlex.split(first.split("&&")[-1])
+    assert run == ["python", "llm_ddp_parallel_training.py", "--cpu", "--nproc", "2"]
+
+
+def test_cpu_examples_use_torchrun_only_for_what_only_torchrun_does():
+    """On one machine's CPU, --nproc is the clean path; torchrun's own report and exit code 1 are worth
+    it only for elastic restarts (--max-restarts), which --nproc does not do."""
+    for words in script_commands():
+        if "--cpu" in words and ("torchrun" in words or "torch.distributed.run" in words):
+            assert any(w.startswith("--max-restarts") for w in words), " ".join(words)
+
+
+def test_examples_that_train_write_into_folders_of_their_own():
+    """A folder that holds a finished run's model refuses a new run, so no two different example
+    commands may share one (repeating the same command, to resume it, is the point of the repeat)."""
+    folders: dict[str, str] = {}
+    for words in script_commands():
+        if any(w.startswith("--show-examples") for w in words):
+            continue  # prints and exits: writes nothing
+        folder = words[words.index("--output-dir") + 1] if "--output-dir" in words else "outputs"
+        command = " ".join(words)
+        assert folders.setdefault(folder, command) == command, f"{folder}: {folders[folder]!r} and {command!r}"
+    assert len(folders) > 10
+
+
+def test_no_timing_is_a_bare_about_n_seconds_or_minutes():
+    numbers = r"(?:\d+|one|two|three|four|five|six|seven|eight|nine|ten|twenty|thirty|forty|fifty|sixty)"
+    bare = re.compile(rf"\babout {numbers}\s*(?:s|sec|seconds?|min|minutes?)\b", re.I)
+    for name, text in (("README.md", README), ("ddp_walkthrough.ipynb", NOTEBOOK)):
+        assert not bare.findall(text), (name, bare.findall(text))
+
+
+def test_the_waits_a_learner_meets_are_ranges_on_a_named_machine():
+    """The quick start, the test suite and the notebook: each duration as a range, with the machine."""
+    span = r"\d+(?:\.\d+)?–\d+(?:\.\d+)?"
+    quick_start = section("## Quick start")
+    assert re.search(rf"{span} s\b", quick_start), "the training run"
+    assert re.search(rf"{span} minutes\b", quick_start), "the test suite"
+    assert "AMD EPYC" in quick_start and "load average" in quick_start
+    notebook = README[README.index("**The notebook.**") :].split("\n\n")[0]
+    assert re.search(rf"{span} s\b", notebook) and "AMD EPYC" in notebook
+    assert re.search(rf"{span} s\b", NOTEBOOK) and "AMD EPYC" in NOTEBOOK
+
+
+def offline_chat_commands(tmp_path: Path) -> list[list[str]]:
+    """The offline chat example's commands as the README writes them, with runs/ moved into tmp_path."""
+    (block,) = blocks(section("### Try the chat path offline: a tiny Qwen2"), "bash")
+    programs = {"tests/tiny_qwen.py": str(REPO / "tests" / "tiny_qwen.py"), SCRIPT.name: str(SCRIPT)}
+    found = []
+    for command in commands(block):
+        words = shlex.split(command)
+        assert words[0] == "python" and words[1] in programs, command
+        args = [str(tmp_path / w) if w.startswith("runs/") else w for w in words[2:]]
+        found.append([sys.executable, programs[words[1]], *args])
+    return found
+
+
+def printed_as_in_the_readme(output: str, tmp_path: Path) -> str:
+    return output.replace(f"{tmp_path}/", "").replace(f"{REPO}/", "/path/to/repo/")
+
+
+@pytest.mark.timeout(300)
+def test_the_offline_chat_example_runs_as_the_readme_writes_it(tmp_path):
+    build, show, train = offline_chat_commands(tmp_path)
+    assert "--chat-file" in build and "--show-examples" in show[2:] and "--nproc" in train[2:]
+    shown = blocks(section("### Try the chat path offline: a tiny Qwen2"), "")
+
+    built = run_cmd(build, timeout=120)
+    assert_ok(built)
+    assert printed_as_in_the_readme(built.stdout, tmp_path) == shown[0], "the builder prints what the README shows"
+
+    examples = run_cmd(show, timeout=120)
+    assert_ok(examples)
+    assert shown[1] in printed_as_in_the_readme(examples.stdout, tmp_path), "the first example, as the README shows it"
+
+    trained = run_cmd(train, timeout=180)
+    assert_ok(trained)
+    printed = [line.rstrip() for line in printed_as_in_the_readme(trained.stdout, tmp_path).splitlines()]
+    for line in shown[2].splitlines():
+        if "tok/s" not in line:  # the step line's speed is the machine's own
+            assert line in printed, line
+    assert (tmp_path / "runs" / "tiny-qwen-chat" / "qwen_lora" / "adapter_model.safetensors").exists()
