@@ -3503,6 +3503,8 @@ def run_settings(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
         "training_data_sha256": kit.train.digest(),
         "max_steps": cfg.max_steps,
         # How each step is computed: the numbers differ in their last bits or more when these do.
+        # (An explicit --precision is taken as written: fp16 on a CPU is refused by train() on every
+        # rank, and this runs on rank 0 alone, where a refusal would leave the others waiting.)
         "precision": choose_precision(cfg, d) if cfg.precision == "auto" else cfg.precision,
         "grad_compression": cfg.grad_compression,
         "ddp": cfg.ddp,
@@ -3520,7 +3522,7 @@ def run_settings(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
             "lora_alpha": cfg.lora_alpha,
             "lora_dropout": cfg.lora_dropout,
             "lora_targets": list(cfg.lora_targets),
-            "dtype": str(choose_weights_dtype(cfg, d)).removeprefix("torch.") if cfg.dtype == "auto" else cfg.dtype,
+            "dtype": str(choose_weights_dtype(cfg, d)).removeprefix("torch."),  # as loaded: auto resolved
             "attn_implementation": cfg.attn_implementation,
         }
     return settings
