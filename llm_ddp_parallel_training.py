@@ -689,7 +689,8 @@ def launch_local_ranks(cfg: RunConfig, argv: list[str]) -> int:
         while any(rank.poll() is None for rank in ranks) and time.monotonic() < deadline:
             time.sleep(0.1)
         rank, code = failed[0]
-        print(f"error: rank {rank} failed first (exit code {code}); every rank has stopped", file=sys.stderr)
+        if code != EXIT_USAGE:  # bad input is the same on every rank, and rank 0 has said it in one line
+            print(f"error: rank {rank} failed first (exit code {code}); every rank has stopped", file=sys.stderr)
         return code if code > 0 else 1
     finally:
         for rank in ranks:
@@ -3950,6 +3951,7 @@ def seed_dropout_per_rank(cfg: RunConfig, d: Dist) -> None:
     torch.manual_seed(cfg.seed + d.rank)
 
 
+EXIT_USAGE = 2  # bad input: flags, files, hardware (a UsageError)
 EXIT_STOPPED = 3  # stopped cleanly by a signal, checkpoint written, not finished
 
 
@@ -4014,7 +4016,7 @@ def main(argv: list[str] | None = None) -> None:
         d = setup_distributed(cfg)
     except UsageError as e:
         report_error(str(e))
-        raise SystemExit(2) from None
+        raise SystemExit(EXIT_USAGE) from None
     except TrainingError as e:
         report_error(str(e), every_rank=True)
         raise SystemExit(1) from None
@@ -4024,7 +4026,7 @@ def main(argv: list[str] | None = None) -> None:
         run(cfg, d, started)
     except UsageError as e:
         report_error(str(e))
-        raise SystemExit(2) from None
+        raise SystemExit(EXIT_USAGE) from None
     except TrainingError as e:
         report_error(str(e))
         raise SystemExit(1) from None

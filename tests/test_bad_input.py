@@ -225,3 +225,9 @@ def test_under_torchrun_the_root_cause_is_the_rank_that_failed_not_one_that_lost
     root_cause = run.stderr.split("Root Cause (first observed failure):")[1]
     assert "rank      : 1 (local_rank: 1)" in root_cause, run.stderr
     assert "injected failure on rank 1 at step 3" in root_cause
+
+
+def test_bad_input_under_nproc_is_one_line_not_one_per_rank_and_the_launcher(tmp_path):
+    run = launch([*TINY, "--nproc", "2", "--corpus-file", str(tmp_path / "nope.txt")], timeout=60)
+    assert run.returncode == 2
+    assert_one_clear_error(run, "corpus file not found", None)
