@@ -522,6 +522,22 @@ class Dist:
     store: dist.Store | None = None  # the rendezvous key-value store the ranks met in
     launch: str | None = None  # this torchrun launch, the same in all its restarts (see launch_token)
 
+    @classmethod
+    def from_process_group(cls) -> Dist:
+        """This process's place in a process group already started: for using ManualDDP,
+        ShardedOptimizer or ManualFSDP in a script of your own."""
+        backend = dist.get_backend()
+        cuda = backend == "nccl"
+        return cls(
+            rank=dist.get_rank(),
+            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            world_size=dist.get_world_size(),
+            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
+            device=torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
+            backend=backend,
+            why="a process group started by the caller",
+        )
+
     @property
     def is_main(self) -> bool:
         # Decisions "only one process does this" use the global rank: LOCAL_RANK 0 exists
@@ -2092,13 +2108,347 @@ def no_buffer_sync_before_forward() -> dict[str, bool]:
 
 def no_sync(model: nn.Module) -> contextlib.AbstractContextManager:
     """Skip the all-reduce for this forward+backward: gradients just accumulate locally."""
+    if hasattr(model, "set_requires_gradient_sync"):  # torch's fully_shard
+        return fsdp_no_sync(model)
     return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def fsdp_no_sync(model: nn.Module) -> Iterator[None]:
+    # FSDP2 then keeps whole (unsharded) gradients until the micro-step that syncs: memory for silence.
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
 def finish_gradient_sync(model: nn.Module) -> None:
-    # torch's DDP has already waited inside backward(); the manual wrapper waits here.
-    if isinstance(model, ManualDDP):
+    # torch's DDP and fully_shard have already waited inside backward(); the manual wrappers wait here.
+    if isinstance(model, (ManualDDP, ManualFSDP)):
         model.finish_gradient_sync()
+
+
+# Sharding. DDP keeps a whole copy of the training state on every rank: for mixed-precision
+# Adam, 16 bytes a parameter (bf16 weight and gradient, fp32 master weight and two moments),
+# so two 8 GB GPUs hold no more than one. ZeRO (Rajbhandari et al., 2019) removes the copies:
+# stage 1 shards the optimizer state, stage 3 (FSDP) the weights and gradients as well.
+# torch ships both (ZeroRedundancyOptimizer, fully_shard); here is each from scratch.
+
+
+# torch 2.13 renamed the two collectives of sharding (the old names now warn); older torch has only those.
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """ZeRO stage 1 from scratch: each rank keeps the optimizer state of its own parameters only.
+
+    Adam keeps two numbers for every weight: twice the weights themselves, on every rank under
+    DDP. Here, with the signature of torch's ZeroRedundancyOptimizer:
+    1. Whole parameters are dealt out to ranks, largest first, each to the rank holding the
+       fewest numbers so far. An inner optimizer on each rank sees only that rank's share, so
+       it allocates state for about 1/N of the model.
+    2. step(): the gradients are already averaged (DDP's all-reduce ran as usual), so each
+       rank updates its own parameters exactly as an unsharded optimizer would.
+    3. Each parameter is broadcast from its owner: every rank again holds the same weights.
+    """
+
+    def __init__(self, params: Iterator[nn.Parameter], optimizer_class: type, **defaults: object) -> None:
+        super().__init__(params, defaults)
+        self.rank, world = dist.get_rank(), dist.get_world_size()
+        trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        load = [0] * world
+        self.owner: dict[nn.Parameter, int] = {}
+        for p in sorted(trainable, key=lambda p: -p.numel()):  # a stable sort: every rank deals the same hand
+            self.owner[p] = load.index(min(load))
+            load[self.owner[p]] += p.numel()
+        mine = [
+            {**_options(group), "params": [p for p in group["params"] if self.owner.get(p) == self.rank]}
+            for group in self.param_groups
+        ]
+        self.optim = optimizer_class(mine, **defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> None:
+        for outer, inner in zip(self.param_groups, self.optim.param_groups, strict=True):
+            inner.update(_options(outer))  # a changed lr (the schedule) reaches the inner optimizer
+        self.optim.step()
+        for work in [dist.broadcast(p.data, src=owner, async_op=True) for p, owner in self.owner.items()]:
+            work.wait()
+
+    def state_dict(self) -> dict:
+        """The full state, exactly as an unsharded optimizer_class would return it. A collective:
+        every rank calls it, and every rank receives the whole state."""
+        index, inner = self._global_index(), self.optim.state_dict()
+        mine = [p for group in self.optim.param_groups for p in group["params"]]
+        local = {
+            index[p]: {k: v.cpu() if torch.is_tensor(v) else v for k, v in inner["state"][i].items()}
+            for i, p in enumerate(mine)
+            if i in inner["state"]
+        }
+        shares: list[dict] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(shares, local)
+        groups = [
+            {**_options(ig), "params": [index[p] for p in og["params"]]}
+            for og, ig in zip(self.param_groups, inner["param_groups"], strict=True)
+        ]
+        return {"state": dict(sorted((i, s) for share in shares for i, s in share.items())), "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Take a full state (this class's, or an unsharded optimizer's): each rank keeps its share."""
+        index, groups, state, i = self._global_index(), [], {}, 0
+        for outer, saved, inner in zip(
+            self.param_groups, state_dict["param_groups"], self.optim.param_groups, strict=True
+        ):
+            outer.update({k: v for k, v in _options(saved).items() if k in outer})
+            ids = list(range(i, i + len(inner["params"])))
+            i += len(ids)
+            state |= {
+                j: state_dict["state"][index[p]]
+                for j, p in zip(ids, inner["params"], strict=True)
+                if index[p] in state_dict["state"]
+            }
+            groups.append({**_options(saved), "params": ids})
+        self.optim.load_state_dict({"state": state, "param_groups": groups})
+
+    def _global_index(self) -> dict[nn.Parameter, int]:
+        return {p: i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
+
+
+def _options(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+@dataclass(eq=False)
+class Unit:
+    """A module whose own parameters are gathered together before it runs, and freed after."""
+
+    module: nn.Module
+    params: list[nn.Parameter]
+    trainable: list[nn.Parameter]
+    gathering: list[tuple[dist.Work, torch.Tensor]] | None = None  # an all-gather in flight
+    full: bool = False  # the parameters hold their whole weights now
+    arrived: set[nn.Parameter] = field(default_factory=set)  # gradients ready in this backward
+    scattering: list[tuple[nn.Parameter, dist.Work, torch.Tensor]] = field(default_factory=list)
+
+
+class ManualFSDP(nn.Module):
+    """FSDP (ZeRO stage 3) from scratch: each rank stores 1/N of every weight, gradient and moment.
+
+    A *unit* is a module whose parameters are made whole together. For each parameter p of a unit:
+    1. Between steps p.data is this rank's shard: p flattened, zero-padded to a multiple of N,
+       cut in N pieces; rank r keeps piece r. The optimizer (any torch optimizer) sees only
+       shards, so its state is 1/N of the model too.
+    2. Before the unit's forward: all-gather the pieces into the whole weight (p.data = whole).
+       While the unit computes, the next unit's all-gather is already in flight (prefetch).
+    3. After its forward: p.data = the shard again, and the whole weight is freed. Autograd
+       saved p itself, not a copy: backward will use whatever p.data holds by then.
+    4. Before its backward (a hook on its output's gradient): gather again, and prefetch the
+       unit whose backward comes next.
+    5. As its last gradient arrives: reduce-scatter. Each rank receives the sum over ranks of
+       its own piece of the gradient only; the whole gradient is freed.
+    6. finish_gradient_sync(): wait for the reduce-scatters and divide by N: p.grad is the
+       averaged gradient of p's shard, shaped like p.data.
+    Parameters outside every unit stay whole on every rank; their gradients are averaged as DDP does.
+    """
+
+    def __init__(
+        self, module: nn.Module, d: Dist, units: list[nn.Module], param_dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__()
+        self.module, self.world, self.rank, self.param_dtype = module, d.world_size, d.rank, param_dtype
+        self.require_sync = True
+        with torch.no_grad():  # start equal, as DDP does
+            for t in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(t, src=0)
+        owner = innermost_units(module, units)
+        self.units = []
+        for u in units:
+            mine = [p for p in u.parameters() if owner[p] is u]
+            self.units.append(Unit(u, mine, [p for p in mine if p.requires_grad]))
+        self.replicated = [p for p in module.parameters() if p not in owner and p.requires_grad]
+        self.shape = {p: p.shape for p in owner}
+        self.shard = {p: self._cut(p) for p in owner}  # the master weights: p.data points here between steps
+        self.held: dict[nn.Parameter, torch.Tensor] = {}  # whole gradients accumulated under no_sync()
+        self.shard_grads: dict[nn.Parameter, torch.Tensor] = {}  # p.grad, set aside while p is whole
+        self.forward_order: list[Unit] = []  # learned in the first step; prefetch follows it
+        self.finish_order: list[Unit] = []  # units in the order their forwards end: backward runs it in reverse
+        self.order_known = False
+        for unit in self.units:
+            for p in unit.params:
+                p.data = self.shard[p]
+            unit.module.register_forward_pre_hook(functools.partial(self._before_forward, unit))
+            unit.module.register_forward_hook(functools.partial(self._after_forward, unit))
+            for p in unit.trainable:
+                p.register_post_accumulate_grad_hook(functools.partial(self._gradient_ready, unit))
+
+    def _cut(self, p: nn.Parameter) -> torch.Tensor:
+        size = math.ceil(p.numel() / self.world)
+        padded = torch.zeros(size * self.world, dtype=p.dtype, device=p.device)
+        padded[: p.numel()] = p.detach().reshape(-1)
+        return padded[self.rank * size : (self.rank + 1) * size].clone()
+
+    # -- whole weights: all-gather before a unit runs, back to shards after
+    def _start_gather(self, unit: Unit) -> None:
+        if unit.full or unit.gathering is not None:
+            return
+        unit.gathering = []
+        for p in unit.params:
+            piece = self.shard[p].to(self.param_dtype or p.dtype)
+            whole = torch.empty(piece.numel() * self.world, dtype=piece.dtype, device=piece.device)
+            unit.gathering.append((all_gather_single(whole, piece, async_op=True), whole))
+
+    def _gather(self, unit: Unit) -> None:
+        self._start_gather(unit)
+        if unit.full:
+            return
+        for p, (work, whole) in zip(unit.params, unit.gathering, strict=True):
+            work.wait()
+            if p.grad is not None:  # a shard's gradient does not fit the whole weight: set it aside
+                self.shard_grads[p] = p.grad
+                p.grad = None
+            p.data = whole[: math.prod(self.shape[p])].view(self.shape[p])
+        unit.gathering, unit.full = None, True
+
+    def _reshard(self, unit: Unit) -> None:
+        if not unit.full:
+            return
+        for p in unit.params:
+            p.data = self.shard[p]
+            if p in self.shard_grads:
+                p.grad = self.shard_grads.pop(p)
+        unit.full = False
+
+    def _prefetch(self, order: list[Unit], unit: Unit, ahead: int) -> None:
+        if self.order_known and unit in order and 0 <= (i := order.index(unit) + ahead) < len(order):
+            self._start_gather(order[i])
+
+    # -- the hooks
+    def _before_forward(self, unit: Unit, module: nn.Module, args: tuple) -> tuple:
+        if not self.order_known and unit not in self.forward_order:
+            self.forward_order.append(unit)
+        self._gather(unit)
+        self._prefetch(self.forward_order, unit, +1)
+        if not torch.is_grad_enabled() or not any(torch.is_tensor(a) and a.requires_grad for a in args):
+            return args  # no backward will pass here (the root's inputs are token ids): reshard at the end
+        # The gradient reaches the unit's inputs last of all its backward: then it can be freed.
+        return _AfterBackward.apply(functools.partial(self._reshard, unit), *args)
+
+    def _after_forward(self, unit: Unit, module: nn.Module, args: tuple, output: object) -> None:
+        if not self.order_known and unit not in self.finish_order:
+            self.finish_order.append(unit)
+        needs_grad = [t for t in tensors_in(output) if t.requires_grad]
+        if needs_grad:
+            hook = functools.partial(self._before_backward, unit)
+            torch.autograd.graph.register_multi_grad_hook(needs_grad, hook, mode="any")
+        self._reshard(unit)
+
+    def _before_backward(self, unit: Unit, grad: torch.Tensor) -> None:
+        self._gather(unit)
+        self._prefetch(self.finish_order, unit, -1)
+
+    @torch.no_grad()
+    def _gradient_ready(self, unit: Unit, p: nn.Parameter) -> None:
+        grad = p.grad if p not in self.held else self.held.pop(p) + p.grad
+        p.grad = None  # the whole gradient leaves .grad: only the shard's will come back there
+        if not self.require_sync:  # inside no_sync(): keep the whole gradient until the last micro-step
+            self.held[p] = grad
+            return
+        unit.arrived.add(p)
+        shard = self.shard[p]
+        padded = torch.zeros(shard.numel() * self.world, dtype=shard.dtype, device=shard.device)
+        padded[: grad.numel()] = grad.reshape(-1)  # summed in the master dtype (fp32), not param_dtype
+        mine = torch.empty_like(shard)
+        unit.scattering.append((p, reduce_scatter_single(mine, padded, async_op=True), mine))
+
+    def finish_gradient_sync(self) -> None:
+        self.order_known = True
+        replicated = [dist.all_reduce(p.grad, async_op=True) for p in self.replicated if p.grad is not None]
+        for unit in self.units:
+            if len(unit.arrived) < len(unit.trainable):
+                names = {q: n for n, q in self.module.named_parameters()}
+                missing = [names[q] for q in unit.trainable if q not in unit.arrived]
+                raise TrainingError(f"a sharded unit's gradient never arrived: no gradient for {', '.join(missing)}")
+            self._reshard(unit)
+            for p, work, mine in unit.scattering:
+                work.wait()
+                mine.div_(self.world)  # reduce-scatter summed; the contract is the average
+                p.grad = mine if p.grad is None else p.grad.add_(mine)
+            unit.scattering, unit.arrived = [], set()
+        for work in replicated:
+            work.wait()
+        for p in self.replicated:
+            if p.grad is not None:
+                p.grad.div_(self.world)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.require_sync = False
+        try:
+            yield
+        finally:
+            self.require_sync = True
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        return self.module(*args, **kwargs)
+
+    def whole(self, p: nn.Parameter) -> torch.Tensor:
+        """p's whole weight in its master dtype. A collective for a sharded parameter."""
+        if p not in self.shard:
+            return p.detach()
+        shard = self.shard[p]
+        whole = torch.empty(shard.numel() * self.world, dtype=shard.dtype, device=shard.device)
+        all_gather_single(whole, shard)
+        return whole[: math.prod(self.shape[p])].view(self.shape[p])
+
+
+class _AfterBackward(torch.autograd.Function):
+    """The identity on a unit's inputs, whose backward runs once the unit's backward is done."""
+
+    @staticmethod
+    def forward(ctx: object, done: Callable[[], None], *inputs: object) -> tuple:
+        ctx.done = done
+        return inputs
+
+    @staticmethod
+    def backward(ctx: object, *grads: torch.Tensor) -> tuple:
+        ctx.done()
+        return (None, *grads)
+
+
+def tensors_in(output: object) -> list[torch.Tensor]:
+    if torch.is_tensor(output):
+        return [output]
+    if isinstance(output, dict):
+        output = list(output.values())
+    return [t for item in output for t in tensors_in(item)] if isinstance(output, (tuple, list)) else []
+
+
+def innermost_units(module: nn.Module, units: list[nn.Module]) -> dict[nn.Parameter, nn.Module]:
+    """Each parameter belongs to the innermost unit that contains it."""
+    owner: dict[nn.Parameter, nn.Module] = {}
+    for unit in sorted(units, key=lambda u: -sum(1 for _ in u.modules())):  # outermost first, inner ones overwrite
+        for p in unit.parameters():
+            if p in owner and not any(m is unit for m in owner[p].modules()):
+                raise ValueError("a parameter is shared by two units, neither inside the other: put them in one unit")
+            owner[p] = unit
+    return owner
+
+
+def gather_full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole, keyed as the wrapped module names them. A collective under sharding:
+    every rank calls it, every rank receives them."""
+    raw = getattr(model, "module", model)
+    return {name: whole_tensor(model, p) for name, p in raw.named_parameters()}
+
+
+def whole_tensor(model: nn.Module, t: torch.Tensor) -> torch.Tensor:
+    if isinstance(model, ManualFSDP):
+        return model.whole(t)
+    if hasattr(t, "full_tensor"):  # torch's fully_shard made it a DTensor: rows split across ranks
+        return t.full_tensor()
+    return t.detach()
 
 
 # ----------------------------------------------------------------------------------------------
