@@ -72,6 +72,7 @@ if TYPE_CHECKING:  # type hints only: the tiny path never imports transformers
 DEFAULT_CORPUS = Path(__file__).resolve().parent / "corpus.txt"
 TINY_FINAL = "tiny_transformer.pt"  # the trained tiny model, in OUTPUT_DIR
 QWEN_FINAL = "qwen_lora"  # the trained adapters and tokenizer, in OUTPUT_DIR
+QWEN_FULL_FINAL = "qwen_full"  # --finetune full: the whole fine-tuned model and tokenizer, in OUTPUT_DIR
 IGNORE_INDEX = -100  # target id that cross-entropy skips: padding never counts in the loss
 NEWLINE = 10  # the byte that opens and closes every line for the byte-level model
 
@@ -115,6 +116,7 @@ class RunConfig:
     attn_implementation: str
     trust_remote_code: bool
     gradient_checkpointing: bool
+    finetune: str
     # optimisation
     batch_size: int
     max_steps: int
@@ -137,6 +139,7 @@ class RunConfig:
     trace_steps: int
     # gradients: how they are synchronised, accumulated and normalised
     ddp: str
+    sharding: str
     bucket_mb: float
     grad_accum_steps: int
     loss_normalization: str
@@ -338,6 +341,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--gradient-checkpointing", action="store_true", help="recompute activations in backward to save memory"
     )
+    g.add_argument(
+        "--finetune",
+        choices=["lora", "full"],
+        default="lora",
+        help="lora: train adapters only; full: train every weight (needs --sharding full to fit where DDP does not)",
+    )
 
     g = p.add_argument_group("optimisation")
     g.add_argument("--batch-size", type=_positive_int, default=8, help="examples per rank per step")
@@ -395,7 +404,19 @@ def build_arg_parser() -> argparse.ArgumentParser:
     )
 
     g = p.add_argument_group("gradients")
-    g.add_argument("--ddp", choices=["torch", "manual"], default="torch", help="torch's DDP, or the from-scratch one")
+    g.add_argument(
+        "--ddp",
+        choices=["torch", "manual"],
+        default="torch",
+        help="torch's DDP (and ZeroRedundancyOptimizer, fully_shard), or the from-scratch ones",
+    )
+    g.add_argument(
+        "--sharding",
+        choices=["none", "optimizer", "full"],
+        default="none",
+        help="none: DDP, a whole copy per rank; optimizer: ZeRO-1, optimizer state split across ranks; "
+        "full: FSDP (ZeRO-3), weights, gradients and optimizer state split",
+    )
     g.add_argument(
         "--bucket-mb",
         type=_bounded(float, 1e-3, 65536, " MiB"),
@@ -484,8 +505,10 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         args.max_steps = 0 if args.epochs else 600
     if args.pack is None:  # byte windows cut anywhere; Qwen packs whole examples, kept apart, when asked
         args.pack = args.model == "tiny"
-    if args.lr is None:  # adapters on a pretrained model want a far gentler step than a model from scratch
-        args.lr = 2e-4 if args.model == "qwen" else 3e-3
+    if (
+        args.lr is None
+    ):  # a pretrained model wants a far gentler step than one from scratch; all its weights gentler still
+        args.lr = (2e-5 if args.finetune == "full" else 2e-4) if args.model == "qwen" else 3e-3
     if args.min_lr is None:
         args.min_lr = args.lr / 10
     if args.min_lr > args.lr:
@@ -493,6 +516,10 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     cfg = RunConfig(**vars(args))
     if cfg.d_model % cfg.n_heads:
         raise UsageError(f"--d-model {cfg.d_model} is not divisible by --n-heads {cfg.n_heads}")
+    if cfg.finetune == "full" and cfg.model != "qwen":
+        raise UsageError("--finetune full is for a pretrained model (--model qwen); the tiny model trains every weight")
+    if cfg.sharding == "full" and (why := cannot_shard_fully(cfg)):
+        raise UsageError(why)
     try:  # found now, not after hours of training when the sample is printed
         cfg.prompt.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -1552,13 +1579,15 @@ class ModelKit:
     # (module, inputs, targets[, positions]) -> the sum of the target tokens' losses
     loss: Callable[..., torch.Tensor]
     sample: Callable[[nn.Module, str], str]  # (unwrapped model, prompt) -> text
-    save_final: Callable[[nn.Module, int], Path]  # (unwrapped model, step) -> path written
+    # (unwrapped model, step, its whole state dict or None: the model's own) -> path written
+    save_final: Callable[[nn.Module, int, dict | None], Path]
     final_name: str  # what save_final writes inside OUTPUT_DIR
     final_label: str  # ... and what that is, for the log
     flops_per_token: float  # training FLOPs per token, for MFU
     describe: str
     data_report: str = ""  # what became of the records on the way to examples
     loss_module: nn.Module | None = None  # what DDP wraps and `loss` runs, if not the model itself
+    blocks: list[nn.Module] = field(default_factory=list)  # the Transformer blocks: FSDP's units
 
     @property
     def trained(self) -> nn.Module:
@@ -1603,9 +1632,9 @@ def build_tiny_kit(cfg: RunConfig, d: Dist, lines: list[str], val_lines: list[st
     model = TinyTransformer(config).to(d.device)
     n_params = sum(p.numel() for p in model.parameters())
 
-    def save_final(raw: nn.Module, step: int) -> Path:
+    def save_final(raw: nn.Module, step: int, whole: dict | None) -> Path:
         path = cfg.output_dir / TINY_FINAL
-        atomic_torch_save({"model": raw.state_dict(), "config": asdict(config), "step": step}, path)
+        atomic_torch_save({"model": whole or raw.state_dict(), "config": asdict(config), "step": step}, path)
         return path
 
     return ModelKit(
@@ -1622,19 +1651,18 @@ def build_tiny_kit(cfg: RunConfig, d: Dist, lines: list[str], val_lines: list[st
         flops_per_token=training_flops_per_token(model, cfg.n_layers, cfg.d_model, cfg.seq_len),
         describe=f"tiny Transformer: {cfg.n_layers} layer(s), d_model {cfg.d_model}, "
         f"{cfg.n_heads} heads, {n_params:,} parameters",
+        blocks=list(model.blocks),
     )
 
 
 def build_qwen_kit(cfg: RunConfig, d: Dist, records: list[Record], val_records: list[Record]) -> ModelKit:
-    """A pretrained causal LM (Qwen2.5 by default) with LoRA adapters; only the adapters train."""
-    from peft import LoraConfig, get_peft_model  # imported here: the tiny path never pays for it
-
+    """A pretrained causal LM (Qwen2.5 by default) with LoRA adapters, of which only the adapters
+    train; or, with --finetune full, the model itself, every weight trained."""
     dtype = choose_weights_dtype(cfg, d)
     tokenizer, model = load_pretrained(cfg, d, dtype)
     if tokenizer.pad_token is None:
         # Any id works for padding: padded positions are masked out of the loss by position.
         tokenizer.pad_token = tokenizer.eos_token
-    check_lora_targets(model, cfg.lora_targets)
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing: the reentrant kind re-runs forward inside backward, which
         # fires DDP's gradient hooks twice ("marked ready twice"), and it only backpropagates
@@ -1647,28 +1675,19 @@ def build_qwen_kit(cfg: RunConfig, d: Dist, records: list[Record], val_records: 
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-    torch.manual_seed(cfg.seed)  # LoRA A starts random (B at zero): the same on every rank
-    lora = LoraConfig(
-        r=cfg.lora_r,
-        lora_alpha=cfg.lora_alpha,
-        lora_dropout=cfg.lora_dropout,
-        target_modules=list(cfg.lora_targets),
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
-    # Trainability is settled before DDP wraps the model: DDP registers its gradient hooks on
-    # the parameters that require grad when it is built, and only those ever travel.
-    with warnings.catch_warnings():  # peft reads a property transformers 5 renamed; harmless
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        model = get_peft_model(model, lora).to(d.device)
+    model = (add_lora(cfg, model) if cfg.finetune == "lora" else model).to(d.device)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    final = QWEN_FINAL if cfg.finetune == "lora" else QWEN_FULL_FINAL
 
-    def save_final(raw: nn.Module, step: int) -> Path:
-        path = cfg.output_dir / QWEN_FINAL
+    def save_final(raw: nn.Module, step: int, whole: dict | None) -> Path:
+        path = cfg.output_dir / final
         with atomic_directory(path) as tmp:
-            raw.save_pretrained(tmp)  # adapter_config.json + adapter_model.safetensors only
+            # LoRA: adapter_config.json + adapter_model.safetensors only. Full: the whole model,
+            # config and weights, as from_pretrained reads it. (save_pretrained empties a
+            # state_dict it is given, hence the copy.)
+            raw.save_pretrained(tmp, state_dict=dict(whole) if whole else None)
             tokenizer.save_pretrained(tmp)
         return path
 
@@ -1708,20 +1727,55 @@ def build_qwen_kit(cfg: RunConfig, d: Dist, records: list[Record], val_records: 
         **loss_path(model),
         sample=sample,
         save_final=save_final,
-        final_name=QWEN_FINAL,
-        final_label="LoRA adapters and tokenizer",
+        final_name=final,
+        final_label="LoRA adapters and tokenizer" if cfg.finetune == "lora" else "fine-tuned model and tokenizer",
         flops_per_token=training_flops_per_token(
             model,
             model.config.num_hidden_layers,
             attention_width(model.config),
             cfg.seq_len,
         ),
-        describe=f"{cfg.model_name_or_path} ({dtype}) + LoRA r={cfg.lora_r} alpha={cfg.lora_alpha:g} on "
-        f"{','.join(cfg.lora_targets)}: {trainable:,} trainable of {total:,} parameters "
-        f"({100 * trainable / total:.3f}%)",
+        describe=f"{cfg.model_name_or_path} ({dtype})"
+        + (
+            f" + LoRA r={cfg.lora_r} alpha={cfg.lora_alpha:g} on {','.join(cfg.lora_targets)}"
+            if cfg.finetune == "lora"
+            else ", every weight trained"
+        )
+        + f": {trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.3f}%)",
+        blocks=list(decoder_layers(model)),
         data_report=f"{counts['truncated']} cut to --seq-len {cfg.seq_len}, "
         f"{counts['dropped']} dropped with no target token left",
     )
+
+
+def add_lora(cfg: RunConfig, model: nn.Module) -> nn.Module:
+    from peft import LoraConfig, get_peft_model  # imported here: the tiny path never pays for it
+
+    check_lora_targets(model, cfg.lora_targets)
+    torch.manual_seed(cfg.seed)  # LoRA A starts random (B at zero): the same on every rank
+    lora = LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=list(cfg.lora_targets),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    # Trainability is settled before DDP wraps the model: DDP registers its gradient hooks on
+    # the parameters that require grad when it is built, and only those ever travel.
+    with warnings.catch_warnings():  # peft reads a property transformers 5 renamed; harmless
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, lora)
+
+
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers model itself, beneath PEFT's wrapper when there is one."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    lm = causal_lm(model)
+    return getattr(lm, lm.base_model_prefix).layers
 
 
 def gpu_computes_bf16() -> bool:
@@ -1752,8 +1806,8 @@ class LeanHeadLoss(nn.Module):
         self.lm = lm  # the PEFT model; its body and head are looked up, not registered twice
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        causal_lm = self.lm.get_base_model()
-        body, head = getattr(causal_lm, causal_lm.base_model_prefix), causal_lm.get_output_embeddings()
+        lm = causal_lm(self.lm)
+        body, head = getattr(lm, lm.base_model_prefix), lm.get_output_embeddings()
         hidden = body(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
         keep = targets != IGNORE_INDEX
         total = hidden.new_zeros((), dtype=torch.float32)
@@ -1766,7 +1820,7 @@ def loss_path(model: nn.Module) -> dict:
     """The lean head where the logits are the head's plain output (Qwen2 and most causal LMs);
     the model's own forward where it rescales them (Gemma's soft-capping, Cohere's logit scale),
     which the lean head would skip."""
-    config = model.get_base_model().config
+    config = causal_lm(model).config
     if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None) not in (None, 1.0):
         return {
             "loss": lambda m, ids, targets, positions=None: token_loss_sum(
@@ -2073,8 +2127,66 @@ class ManualDDP(nn.Module):
 def describe_gradient_sync(cfg: RunConfig, d: Dist) -> str:
     if not d.distributed:
         return "none (one process: its gradient is already the whole batch's)"
+    if cfg.sharding == "full":
+        how = "torch's fully_shard (FSDP2)" if cfg.ddp == "torch" else "manual FSDP (from scratch)"
+        return f"{how}: weights all-gathered per unit, gradients reduce-scattered to their shards"
     wrapper = "torch DDP" if cfg.ddp == "torch" else "manual DDP (from scratch)"
-    return f"{wrapper}, {cfg.bucket_mb:g} MiB buckets" + (", sent as bf16" if cfg.grad_compression == "bf16" else "")
+    sync = f"{wrapper}, {cfg.bucket_mb:g} MiB buckets" + (", sent as bf16" if cfg.grad_compression == "bf16" else "")
+    if cfg.sharding == "optimizer":
+        how = "torch's ZeroRedundancyOptimizer" if cfg.ddp == "torch" else "ShardedOptimizer (from scratch)"
+        sync += f"; optimizer state sharded by {how}"
+    return sync
+
+
+def describe_sharding(cfg: RunConfig, d: Dist) -> str | None:
+    if cfg.sharding != "none" and not d.distributed:
+        return f"[run] --sharding {cfg.sharding}: one process holds the whole model, there is nothing to shard"
+    return None
+
+
+def cannot_shard_fully(cfg: RunConfig) -> str | None:
+    """Flags --sharding full cannot honour (yet), each named, before any rank trains."""
+    if cfg.gradient_checkpointing and cfg.ddp == "manual":
+        return (
+            "--gradient-checkpointing with --sharding full --ddp manual: the from-scratch FSDP does not "
+            "re-gather a unit that checkpointing re-runs inside backward; use --ddp torch"
+        )
+    if cfg.precision == "fp16":
+        return (
+            "--precision fp16 with --sharding full: an overflow would show in one rank's shard only, and the "
+            "ranks would skip different steps; use --precision bf16 or fp32"
+        )
+    if cfg.grad_compression != "none":
+        return "--grad-compression compresses DDP's all-reduce; --sharding full reduce-scatters instead: drop it"
+    if cfg.trace_steps:
+        return "--trace-steps does not trace --sharding full's all-gathers and reduce-scatters yet: drop it"
+    return None
+
+
+def wrap_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats) -> nn.Module:
+    if d.distributed and cfg.sharding == "full":
+        return shard_fully(kit, cfg, d)
+    return wrap_data_parallel(kit.trained, cfg, d, stats)
+
+
+def shard_fully(kit: ModelKit, cfg: RunConfig, d: Dist) -> nn.Module:
+    """FSDP units: each Transformer block, then the rest (embeddings, final norm, head) as the root
+    unit. Tied embedding and head weights are one tensor, so they must share a unit: the root."""
+    units = [*kit.blocks, kit.trained]
+    if cfg.ddp == "manual":
+        return ManualFSDP(kit.trained, d, units)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    # A device mesh says which ranks share the shards: here all of them, on this device type
+    # (given explicitly: on a CPU, fully_shard would otherwise look for a GPU).
+    mesh = init_device_mesh(d.device.type, (d.world_size,))
+    for unit in units:  # inner units first: each takes its own parameters, the root what is left
+        fully_shard(unit, mesh=mesh)
+    # FSDP2 warns that a unit returned a view, which an in-place op could detach from its
+    # all-gather; this script never modifies a model's output in place.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+    return kit.trained
 
 
 def wrap_data_parallel(model: nn.Module, cfg: RunConfig, d: Dist, stats: CommStats) -> nn.Module:
@@ -2283,10 +2395,10 @@ class ManualFSDP(nn.Module):
             for p in unit.trainable:
                 p.register_post_accumulate_grad_hook(functools.partial(self._gradient_ready, unit))
 
-    def _cut(self, p: nn.Parameter) -> torch.Tensor:
-        size = math.ceil(p.numel() / self.world)
-        padded = torch.zeros(size * self.world, dtype=p.dtype, device=p.device)
-        padded[: p.numel()] = p.detach().reshape(-1)
+    def _cut(self, t: torch.Tensor) -> torch.Tensor:
+        size = math.ceil(t.numel() / self.world)
+        padded = torch.zeros(size * self.world, dtype=t.dtype, device=t.device)
+        padded[: t.numel()] = t.detach().reshape(-1)
         return padded[self.rank * size : (self.rank + 1) * size].clone()
 
     # -- whole weights: all-gather before a unit runs, back to shards after
@@ -2393,14 +2505,29 @@ class ManualFSDP(nn.Module):
     def forward(self, *args: object, **kwargs: object) -> object:
         return self.module(*args, **kwargs)
 
-    def whole(self, p: nn.Parameter) -> torch.Tensor:
-        """p's whole weight in its master dtype. A collective for a sharded parameter."""
+    def gradient_norm(self) -> torch.Tensor:
+        """The 2-norm of the whole averaged gradient: each rank adds the squares of its shards
+        (the padding is zero), rank 0 those of the replicated parameters; one all-reduce sums them."""
+        grads = [p.grad for unit in self.units for p in unit.trainable if p.grad is not None]
+        grads += [p.grad for p in self.replicated if p.grad is not None and self.rank == 0]
+        device = next(self.module.parameters()).device
+        total = sum((g.float().square().sum() for g in grads), torch.zeros((), device=device))
+        dist.all_reduce(total)
+        return total.sqrt()
+
+    def whole(self, p: nn.Parameter, shard: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole of p (or of a tensor cut like p, such as its Adam moment), in the master dtype.
+        A collective for a sharded parameter: every rank calls it, every rank receives it."""
         if p not in self.shard:
-            return p.detach()
-        shard = self.shard[p]
+            return p.detach() if shard is None else shard
+        shard = self.shard[p] if shard is None else shard
         whole = torch.empty(shard.numel() * self.world, dtype=shard.dtype, device=shard.device)
-        all_gather_single(whole, shard)
+        all_gather_single(whole, shard.contiguous())
         return whole[: math.prod(self.shape[p])].view(self.shape[p])
+
+    def cut(self, p: nn.Parameter, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a whole tensor shaped like p (to load a checkpoint into shards)."""
+        return self._cut(whole.to(self.shard[p].device)) if p in self.shard else whole
 
 
 class _AfterBackward(torch.autograd.Function):
@@ -2443,12 +2570,31 @@ def gather_full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: whole_tensor(model, p) for name, p in raw.named_parameters()}
 
 
-def whole_tensor(model: nn.Module, t: torch.Tensor) -> torch.Tensor:
-    if isinstance(model, ManualFSDP):
-        return model.whole(t)
+def whole_tensor(model: nn.Module, t: torch.Tensor, like: nn.Parameter | None = None) -> torch.Tensor:
+    """The whole of parameter t, or of a tensor t cut like parameter `like` (an Adam moment).
+    A collective under sharding: every rank calls it, every rank receives the whole."""
+    if isinstance(model, ManualFSDP) and t.dim():  # a 0-d tensor (Adam's step count) is never cut
+        return model.whole(t) if like is None else model.whole(like, t)
     if hasattr(t, "full_tensor"):  # torch's fully_shard made it a DTensor: rows split across ranks
         return t.full_tensor()
     return t.detach()
+
+
+def on_rank0_cpu(d: Dist, t: torch.Tensor) -> torch.Tensor | None:
+    return t.cpu() if d.is_main else None  # the other ranks only helped to gather it
+
+
+def into_shard(model: nn.Module, p: nn.Parameter, whole: torch.Tensor) -> torch.Tensor:
+    """The part of a whole tensor shaped like p (p itself, or its Adam moment) that this rank keeps."""
+    if not whole.dim():  # a 0-d tensor (Adam's step count) is never cut
+        return whole
+    if isinstance(model, ManualFSDP):
+        return model.cut(p, whole)
+    if hasattr(p, "device_mesh"):  # a DTensor: each rank takes its own rows, nothing travels
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(whole.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+    return whole
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2814,25 +2960,51 @@ def autocast_for(precision: str, d: Dist) -> contextlib.AbstractContextManager:
     return torch.autocast(d.device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
 
 
-def make_optimizer(cfg: RunConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+def make_optimizer(cfg: RunConfig, d: Dist, params: list[nn.Parameter]) -> torch.optim.Optimizer:
     if cfg.optimizer == "sgd":
         # Plain SGD moves weights by exactly lr x gradient: a gradient off by a factor shows at
         # once, which is why the equivalence tests use it. (Adam divides the factor back out.)
-        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    # fused: one kernel updates every tensor (on CPU 5x faster than the per-tensor loop here).
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+        kind, options = torch.optim.SGD, {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
+    else:  # fused: one kernel updates every tensor (on CPU 5x faster than the per-tensor loop here)
+        kind, options = torch.optim.AdamW, {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "fused": True}
+    if cfg.sharding == "optimizer" and d.distributed:
+        if cfg.ddp == "manual":
+            return ShardedOptimizer(params, kind, **options)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, optimizer_class=kind, **options)
+    # Under --sharding full the parameters are shards already: a plain optimizer keeps 1/N state.
+    return kind(params, **options)
 
 
-def check_gradients_arrived(model: nn.Module) -> None:
+def check_gradients_arrived(model: nn.Module, d: Dist) -> None:
     """After the first backward some trainable weight must have a non-zero gradient.
 
     Catches the silent failure where nothing learns: a frozen input to a checkpointed block,
     adapters attached to layers the forward never uses. (LoRA's A gets exactly zero gradient
-    at step 1, because B starts at zero; B's gradient is what shows the path works.)
+    at step 1, because B starts at zero; B's gradient is what shows the path works.) Asked of
+    every rank together: under sharding each holds only its own slice of the gradient.
     """
-    grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
-    if not any(bool(g.any()) for g in grads):
+    grads = [local_part(p.grad) for p in model.parameters() if p.requires_grad and p.grad is not None]
+    if not all_reduce_sum(d, [any(bool(g.any()) for g in grads)])[0]:
         raise TrainingError("no gradient reached the trainable weights at step 1: nothing would learn")
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """The slice of a tensor this rank holds: a DTensor's local shard (fully_shard), else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def clip_gradients(model: nn.Module, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """The norm of the whole synchronised gradient, identical on every rank; clipped to max_norm
+    when set. Under sharding the norm adds up every rank's shard, so clipping agrees everywhere."""
+    if isinstance(model, ManualFSDP):
+        norm = model.gradient_norm()
+    else:  # under fully_shard a DTensor, replicated: torch sums the shards' squares across ranks
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    if max_norm:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def due_fault(cfg: RunConfig, d: Dist, step: int) -> str | None:
@@ -2875,6 +3047,7 @@ class TrainResult:
     seconds: float  # spent in training steps in this attempt
     stopped_by: str | None  # the signal's name, when a stop request ended the run early
     trace: list[list[Span]]  # --trace-steps: every rank's spans (rank 0 only)
+    model: nn.Module  # as trained: wrapped by DDP, or sharded
 
 
 class PhaseTimer:
@@ -2991,16 +3164,19 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
     """The training loop. `settings` (run_settings, rank 0 only) go into every checkpoint."""
     loader, sampler = make_train_loader(kit.train, cfg, d)
     named_params = [(n, p) for n, p in kit.model.named_parameters() if p.requires_grad]
-    params = [p for _, p in named_params]
     stats = CommStats(named_params, compress=cfg.grad_compression == "bf16")
-    stats.timeline = timeline = start_timeline(cfg, d, params, resume["progress"]["step"] if resume else 0)
+    first_step = resume["progress"]["step"] if resume else 0
+    stats.timeline = timeline = start_timeline(cfg, d, [p for _, p in named_params], first_step)
     offsets = clock_offsets(d) if timeline else []
-    model = wrap_data_parallel(kit.trained, cfg, d, stats)
-    optimizer = make_optimizer(cfg, params)
+    model = wrap_model(kit, cfg, d, stats)
+    # Looked up again: torch's fully_shard replaces every parameter by a sharded one.
+    named_params = [(n, p) for n, p in kit.model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named_params]
+    optimizer = make_optimizer(cfg, d, params)
     precision = choose_precision(cfg, d)
     # fp16 needs loss scaling: small gradients would underflow to zero. bf16 has fp32's range.
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
-    progress = apply_resume_state(resume, named_params, optimizer, scaler, d) if resume else Progress()
+    progress = apply_resume_state(resume, model, named_params, optimizer, scaler, d) if resume else Progress()
     k = cfg.grad_accum_steps
     batch = global_batch(cfg, d)
     steps_per_epoch = len(loader) // k
@@ -3013,6 +3189,8 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
         f"optimizer: {cfg.optimizer}, lr {cfg.lr:g} (warmup {warmup_steps(cfg)}, cosine to {cfg.min_lr:g}); "
         f"precision {precision}",
     )
+    if note := describe_sharding(cfg, d):
+        log(d, note)
     if cfg.inspect:
         print_in_rank_order(d, describe_shards(d, sampler))
 
@@ -3022,7 +3200,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
         nonlocal saved_step
         if progress.step == saved_step:  # a stop right after a save: that checkpoint is this state
             return
-        state = training_state(d, settings, named_params, optimizer, scaler, progress)
+        state = training_state(d, settings, model, named_params, optimizer, scaler, progress)
         save_training_state(cfg, d, state, progress.step)
         saved_step = progress.step
 
@@ -3079,7 +3257,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
         if fault == "desync":  # pretend this rank's gradient sync silently went wrong
             named_params[0][1].grad.add_(1e-3)
         if step == 1:
-            check_gradients_arrived(kit.model)
+            check_gradients_arrived(kit.model, d)
 
         # Each rank's loss covers its own shard; the sum over ranks, divided by the global
         # token count, is the loss of the global batch: the number the update follows.
@@ -3092,10 +3270,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
             report_inspect_step(cfg, d, step, stats, (calls, nbytes), named_params, local_loss_sum.item(), micro_tokens)
         # The norm of the *synchronised* gradient: identical on every rank, so clipping keeps
         # the replicas identical too.
-        if cfg.grad_clip:
-            norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        norm = clip_gradients(model, params, cfg.grad_clip)
         # The step's one read from the device (on a GPU, a wait for it): the guard below must
         # know before the update whether the loss and gradient are finite.
         global_loss_sum, grad_norm = torch.stack([loss_sum.float(), norm.float()]).tolist()
@@ -3135,7 +3310,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
         save_state()
     reporter.close()
     trace = collect_trace(d, timeline, offsets) if timeline else []
-    return TrainResult(progress, reporter.tokens, reporter.seconds, stopped_by, trace)
+    return TrainResult(progress, reporter.tokens, reporter.seconds, stopped_by, trace, model)
 
 
 def raise_non_finite(d: Dist, step: int, loss: float, grad_norm: float, local_loss_sum: float) -> None:
@@ -3222,12 +3397,21 @@ def evaluate(cfg: RunConfig, d: Dist, kit: ModelKit, precision: str) -> dict[str
             loss_sum += kit.loss(model, inputs, targets, *positions).item()
         tokens += int((targets != IGNORE_INDEX).sum())
         nbytes += int(val.target_bytes[chunk].sum())
+    if cfg.sharding == "full" and d.distributed:  # every forward all-gathers: a rank must not skip one
+        for _ in range(batches_on_rank0(len(val), d, cfg) - math.ceil(len(mine) / cfg.batch_size)):
+            inputs, targets, *positions = (t.to(d.device) for t in trim_padding([val[0]]))
+            with autocast_for(precision, d):
+                kit.loss(model, inputs, targets, *positions)  # joins the gathers; its loss is not counted
     model.train()
     loss_sum, tokens, nbytes = all_reduce_sum(d, [loss_sum, tokens, nbytes])
     loss = loss_sum / tokens
     # Perplexity is per token, so it depends on the tokenizer; bits per byte does not, and
     # compares the byte-level model with Qwen on the same text.
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_bpb": loss_sum / (math.log(2) * nbytes)}
+
+
+def batches_on_rank0(examples: int, d: Dist, cfg: RunConfig) -> int:
+    return math.ceil(math.ceil(examples / d.world_size) / cfg.batch_size)  # rank 0 holds the most
 
 
 # Dense bf16/fp16 tensor-core peaks in FLOP/s, from the vendors' data sheets, for MFU. Matched
@@ -3826,6 +4010,17 @@ def restore_rng(state: dict, d: Dist) -> None:
 MAY_CHANGE_ON_RESUME = ("max_steps",)
 
 
+# How the global batch is split may change on resume, the global batch itself may not. Rank r
+# of W takes every W-th example, so every split of the same global batch trains each step on
+# the same examples (tests/test_gradients.py): 2 ranks x 4 continue as 1 rank x 8, as a
+# checkpoint from any --sharding continues under any other.
+BATCH_SPLIT = ("world_size", "batch_size", "grad_accum_steps")
+
+
+def global_batch_of(settings: dict) -> int | None:
+    return math.prod(settings[k] for k in BATCH_SPLIT) if all(k in settings for k in BATCH_SPLIT) else None
+
+
 def run_settings(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
     """The settings that decide which example lands in which step, what the model is, and how
     each step updates it.
@@ -3835,7 +4030,8 @@ def run_settings(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
     --warmup-steps would bend the schedule mid-run, and another --precision, --dtype,
     --grad-compression, --ddp, backend or device would compute every later step differently.
     What only watches, reports or paces the run (--bucket-mb, --eval-every, --trace-steps, ...)
-    stays free, and --max-steps may grow (MAY_CHANGE_ON_RESUME).
+    stays free, and --max-steps may grow (MAY_CHANGE_ON_RESUME). So does where the state lives
+    (--sharding: every checkpoint is whole) and how the global batch is split (BATCH_SPLIT).
     """
     settings = {
         "model": cfg.model,
@@ -3869,6 +4065,7 @@ def run_settings(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
     else:
         settings |= {
             "model_name_or_path": cfg.model_name_or_path,
+            "finetune": cfg.finetune,
             "lora_r": cfg.lora_r,
             "lora_alpha": cfg.lora_alpha,
             "lora_dropout": cfg.lora_dropout,
@@ -3882,6 +4079,7 @@ def run_settings(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
 def training_state(
     d: Dist,
     settings: dict,
+    model: nn.Module,
     named_params: list[tuple[str, nn.Parameter]],
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler | None,
@@ -3890,26 +4088,55 @@ def training_state(
     """The state to save, built on rank 0 alone (None elsewhere).
 
     A collective: the RNG states are the one part that differs by rank, so every rank sends
-    its own to rank 0. Weights and optimizer state are identical everywhere (that is DDP's
-    contract), so only rank 0 copies them.
+    its own to rank 0. Under DDP, weights and optimizer state are identical everywhere (that
+    is its contract), so rank 0 copies its own; under sharding every rank sends its shards, and
+    rank 0 writes the same whole state DDP would: any sharding resumes from it.
     """
     rng: list = [capture_rng(d)]
     if d.distributed:
         rng = [None] * d.world_size if d.is_main else None
         dist.gather_object(capture_rng(d), rng, dst=0)
+    # Trainable weights only: the whole tiny model, or just the LoRA adapters (the frozen
+    # base comes back from --model-name-or-path).
+    trainable = {n: on_rank0_cpu(d, whole_tensor(model, p)) for n, p in named_params}
+    optimizer_state = whole_optimizer_state(model, optimizer, [p for _, p in named_params], d)
     if not d.is_main:
         return None
     return {
         "format": CHECKPOINT_FORMAT,
         "progress": asdict(progress),
-        # Trainable weights only: the whole tiny model, or just the LoRA adapters (the frozen
-        # base comes back from --model-name-or-path).
-        "trainable": {n: p.detach().cpu() for n, p in named_params},
-        "optimizer": optimizer.state_dict(),
+        "trainable": trainable,
+        "optimizer": optimizer_state,
         "scaler": scaler.state_dict() if scaler else None,
         "rng": rng,  # indexed by rank: each rank's dropout stream continues where it was
         "settings": settings,
     }
+
+
+def whole_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], d: Dist
+) -> dict | None:
+    """The optimizer's state as one unsharded optimizer over `params` would hold it (rank 0).
+
+    ZeRO-1 keeps each parameter's state whole on its owner rank: the state is collected.
+    FSDP keeps every moment cut like its weight: the pieces are gathered and put together.
+    """
+    if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
+        optimizer.consolidate_state_dict(to=0)
+        return optimizer.state_dict() if d.is_main else None
+    state = optimizer.state_dict()  # ShardedOptimizer's is a collective that returns the whole state
+    if isinstance(model, ManualFSDP) or any(hasattr(p, "full_tensor") for p in params):
+        state = {
+            **state,
+            "state": {
+                i: {
+                    k: on_rank0_cpu(d, whole_tensor(model, v, params[i])) if torch.is_tensor(v) else v
+                    for k, v in s.items()
+                }
+                for i, s in state["state"].items()
+            },
+        }
+    return state if d.is_main else None
 
 
 def save_training_state(cfg: RunConfig, d: Dist, state: dict | None, step: int) -> None:
@@ -4050,6 +4277,20 @@ def choose_checkpoint(cfg: RunConfig, settings: dict, final_name: str) -> dict |
     return state
 
 
+def whole_state_dict(model: nn.Module, raw: nn.Module, d: Dist) -> dict | None:
+    """raw.state_dict() with every tensor whole, on rank 0, under --sharding full (a collective);
+    None otherwise: rank 0's own model is whole already. Tied weights stay one tensor."""
+    if not isinstance(model, ManualFSDP) and not any(hasattr(p, "full_tensor") for p in raw.parameters()):
+        return None
+    whole: dict[int, torch.Tensor | None] = {}
+    state = {}
+    for name, t in raw.state_dict(keep_vars=True).items():
+        if id(t) not in whole:
+            whole[id(t)] = on_rank0_cpu(d, whole_tensor(model, t))
+        state[name] = whole[id(t)]
+    return state if d.is_main else None
+
+
 def refuse_to_replace_a_finished_model(cfg: RunConfig, final_name: str) -> None:
     """A run that starts from step 0 in a folder holding a finished run's model would replace that
     model at its end. The lock keeps two runs apart at once, this one after the other. (Resuming a
@@ -4134,10 +4375,11 @@ def check_same_run(state: dict, settings: dict, folder: Path) -> None:
     unrecorded = [k for k in settings if k not in saved]
     if unrecorded:  # written by an earlier version of this script, before these were checked
         say(f"[resume] {folder} does not record {', '.join(unrecorded)}: taking this command's values")
+    resplit = global_batch_of(saved) == global_batch_of(settings)
     changed = [
         f"{k}: {saved[k]!r} then, {v!r} now"
         for k, v in settings.items()
-        if k in saved and saved[k] != v and k not in MAY_CHANGE_ON_RESUME
+        if k in saved and saved[k] != v and k not in MAY_CHANGE_ON_RESUME and not (resplit and k in BATCH_SPLIT)
     ]
     if changed:
         raise UsageError(
@@ -4181,19 +4423,32 @@ def stopped_in_an_earlier_attempt(cfg: RunConfig, d: Dist) -> bool:
 
 def apply_resume_state(
     state: dict,
+    model: nn.Module,
     named_params: list[tuple[str, nn.Parameter]],
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler | None,
     d: Dist,
 ) -> Progress:
+    params = [p for _, p in named_params]
     with torch.no_grad():
         for name, p in named_params:
-            p.copy_(state["trainable"][name])
-    optimizer.load_state_dict(state["optimizer"])
+            p.copy_(into_shard(model, p, state["trainable"][name]))
+    saved = state["optimizer"]
+    if isinstance(model, ManualFSDP) or any(hasattr(p, "device_mesh") for p in params):
+        # The state of an optimizer over shards: each rank keeps its piece of every moment.
+        saved = {**saved, "state": {i: resume_state_shard(model, params[i], s) for i, s in saved["state"].items()}}
+    optimizer.load_state_dict(saved)  # ShardedOptimizer and ZeroRedundancyOptimizer keep their own share
     if scaler and state["scaler"]:
         scaler.load_state_dict(state["scaler"])
-    restore_rng(state["rng"][d.rank], d)
+    if len(state["rng"]) == d.world_size:
+        restore_rng(state["rng"][d.rank], d)
+    else:  # another world size: the examples per step are the same, each rank's dropout stream is new
+        log(d, f"[resume] saved by {len(state['rng'])} rank(s), resumed by {d.world_size}: dropout draws afresh")
     return Progress(**state["progress"])
+
+
+def resume_state_shard(model: nn.Module, p: nn.Parameter, state: dict) -> dict:
+    return {k: into_shard(model, p, v) if torch.is_tensor(v) else v for k, v in state.items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -4255,7 +4510,8 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
         tell_torchrun(f"stopped cleanly by {result.stopped_by} after step {step}, checkpoint written (exit code 3)")
         raise SystemExit(EXIT_STOPPED)
     outputs = [cfg.output_dir / kit.final_name]
-    rank0_writes(d, kit.final_label, lambda: kit.save_final(kit.model, step))
+    whole = whole_state_dict(result.model, kit.model, d)  # under sharding full: gathered, on rank 0
+    rank0_writes(d, kit.final_label, lambda: kit.save_final(kit.model, step, whole))
     if cfg.plot:
         history = result.progress.history
         plot = rank0_then_share(d, "could not write the loss plot", lambda: write_loss_plot(cfg, history))
@@ -4270,7 +4526,10 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
         kit.model.eval()
         # The unwrapped model: a forward through the DDP wrapper may talk to the other ranks,
         # which have moved on. Sampling is local to rank 0.
-        say(f"[sample] {kit.sample(kit.model, cfg.prompt)}")
+        if whole is None:
+            say(f"[sample] {kit.sample(kit.model, cfg.prompt)}")
+        else:  # its forward would wait for the other ranks' shards
+            say(f"[sample] none: under --sharding full no rank holds the whole model ({outputs[0]} does)")
         if cfg.metrics_file:
             outputs.append(cfg.metrics_file)
         print_summary(cfg, d, result, time.perf_counter() - started, outputs, memory)
