@@ -2282,12 +2282,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.optim = optimizer_class(mine, **defaults)
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> None:
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:  # as a torch optimizer: recompute the loss (and its gradients) first
+            with torch.enable_grad():
+                loss = closure()
         for outer, inner in zip(self.param_groups, self.optim.param_groups, strict=True):
             inner.update(_options(outer))  # a changed lr (the schedule) reaches the inner optimizer
         self.optim.step()
         for work in [dist.broadcast(p.data, src=owner, async_op=True) for p, owner in self.owner.items()]:
             work.wait()
+        return loss
 
     def state_dict(self) -> dict:
         """The full state, exactly as an unsharded optimizer_class would return it. A collective:
