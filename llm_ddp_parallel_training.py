@@ -3053,6 +3053,7 @@ class TrainResult:
     stopped_by: str | None  # the signal's name, when a stop request ended the run early
     trace: list[list[Span]]  # --trace-steps: every rank's spans (rank 0 only)
     model: nn.Module  # as trained: wrapped by DDP, or sharded
+    memory: list[dict]  # every rank's training state in bytes, measured and predicted (rank 0 only)
 
 
 class PhaseTimer:
@@ -3173,6 +3174,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
     first_step = resume["progress"]["step"] if resume else 0
     stats.timeline = timeline = start_timeline(cfg, d, [p for _, p in named_params], first_step)
     offsets = clock_offsets(d) if timeline else []
+    predicted = predict_memory(cfg, d, kit)  # from the whole model, before any sharding
     model = wrap_model(kit, cfg, d, stats)
     # Looked up again: torch's fully_shard replaces every parameter by a sharded one.
     named_params = [(n, p) for n, p in kit.model.named_parameters() if p.requires_grad]
@@ -3315,7 +3317,8 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
         save_state()
     reporter.close()
     trace = collect_trace(d, timeline, offsets) if timeline else []
-    return TrainResult(progress, reporter.tokens, reporter.seconds, stopped_by, trace, model)
+    memory = measure_memory(d, kit, optimizer, predicted)
+    return TrainResult(progress, reporter.tokens, reporter.seconds, stopped_by, trace, model, memory)
 
 
 def raise_non_finite(d: Dist, step: int, loss: float, grad_norm: float, local_loss_sum: float) -> None:
@@ -3407,6 +3410,9 @@ def evaluate(cfg: RunConfig, d: Dist, kit: ModelKit, precision: str) -> dict[str
             inputs, targets, *positions = (t.to(d.device) for t in trim_padding([val[0]]))
             with autocast_for(precision, d):
                 kit.loss(model, inputs, targets, *positions)  # joins the gathers; its loss is not counted
+    for unit in model.modules():  # torch's fully_shard leaves the root unit whole after a forward
+        if hasattr(unit, "reshard"):  # with no backward to follow: back to shards
+            unit.reshard()
     model.train()
     loss_sum, tokens, nbytes = all_reduce_sum(d, [loss_sum, tokens, nbytes])
     loss = loss_sum / tokens
@@ -3695,6 +3701,106 @@ def timeline_figure(plt: object, cfg: RunConfig, ranks: list[list[Span]]) -> obj
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in PHASE_COLOURS.values()]
     fig.legend(handles, list(PHASE_COLOURS), loc="outside lower center", ncol=len(PHASE_COLOURS), frameon=False)
     return fig
+
+
+# Where each rank's memory goes. The training state is counted exactly: every live tensor's
+# storage once (DDP's gradients are views into its buckets; tied weights are one tensor),
+# beside what the ZeRO paper's arithmetic predicts for this strategy and world size N.
+# Activations and temporary buffers are not state: they show in the peak.
+
+
+def predict_memory(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
+    """Bytes per rank by the ZeRO arithmetic (Rajbhandari et al. 2019, padding aside), for this
+    run's dtypes: weights and gradients at the weights' dtype, AdamW two moments of the same."""
+    n = d.world_size if d.distributed else 1
+    params = list(kit.trained.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    moments = 2 if cfg.optimizer == "adamw" else 0  # plain SGD keeps no state
+    whole = {
+        "parameters": sum(p.numel() * p.element_size() for p in params),
+        "gradients": sum(p.numel() * p.element_size() for p in trainable),
+        "optimizer_state": moments * sum(p.numel() * p.element_size() for p in trainable),
+    }
+    split = {"none": (), "optimizer": ("optimizer_state",), "full": tuple(whole)}[cfg.sharding if n > 1 else "none"]
+    units = [*kit.blocks, kit.trained]
+    owner = innermost_units(kit.trained, units)
+    largest = max(sum(p.numel() * p.element_size() for p in owner if owner[p] is u) for u in units)
+    return {
+        "predicted": {k: v // n if k in split else v for k, v in whole.items()},
+        "largest_unit": largest if "parameters" in split else 0,
+    }
+
+
+def measure_memory(d: Dist, kit: ModelKit, optimizer: torch.optim.Optimizer, predicted: dict) -> list[dict]:
+    """Every rank's parameters, gradients and optimizer state in bytes, and its peak. A collective."""
+    counted: set[tuple[int, str]] = set()
+
+    def storage_bytes(tensors: Iterator[torch.Tensor]) -> int:
+        total = 0
+        for t in tensors:
+            storage = local_part(t).untyped_storage()
+            if (key := (storage.data_ptr(), str(t.device))) not in counted:
+                counted.add(key)
+                total += storage.nbytes()
+        return total
+
+    params = list(kit.trained.parameters())
+    # ZeRO-1 (torch's and ours) steps an inner optimizer that holds this rank's share of the state.
+    state = getattr(optimizer, "optim", optimizer).state.values()
+    mine = {
+        "rank": d.rank,
+        "parameters": storage_bytes(iter(params)),
+        "gradients": storage_bytes(p.grad for p in params if p.grad is not None),
+        "optimizer_state": storage_bytes(t for s in state for t in s.values() if torch.is_tensor(t)),
+        "peak": peak_bytes(d),
+        **predicted,
+    }
+    ranks = [mine]
+    if d.distributed:
+        ranks = [{} for _ in range(d.world_size)]
+        dist.all_gather_object(ranks, mine, group=d.control)
+    return ranks
+
+
+def peak_bytes(d: Dist) -> int:
+    """The peak CUDA allocation on a GPU; the peak resident set (RSS) of this process on a CPU."""
+    if d.device.type == "cuda":
+        return torch.cuda.max_memory_allocated(d.device)
+    try:
+        import resource  # POSIX only
+    except ImportError:
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def describe_memory(cfg: RunConfig, d: Dist, ranks: list[dict]) -> str:
+    keys = ("parameters", "gradients", "optimizer_state")
+    strategy = cfg.sharding if d.distributed else "none (one process)"
+    lines = [
+        f"[memory] per rank, MiB, measured (predicted by the ZeRO arithmetic for --sharding {strategy}, "
+        f"N={d.world_size}; weights, gradients and moments in the weights' dtype, no padding):",
+        f"  rank  {'parameters':>18}  {'gradients':>18}  {'optimizer state':>18}  {'state vs predicted':>18}  "
+        f"{'largest unit':>12}  {'peak ' + ('CUDA' if d.device.type == 'cuda' else 'RSS'):>10}",
+    ]
+    for r in ranks:
+        measured, predicted = sum(r[k] for k in keys), sum(r["predicted"][k] for k in keys)
+        cells = [f"{mib(r[k])} ({mib(r['predicted'][k])})" for k in keys]
+        off = f"{100 * (measured - predicted) / predicted:+.1f}%" if predicted else "-"
+        lines.append(
+            f"  {r['rank']:>4}  {cells[0]:>18}  {cells[1]:>18}  {cells[2]:>18}  {off:>18}  "
+            f"{mib(r['largest_unit']) if r['largest_unit'] else '-':>12}  {mib(r['peak']):>10}"
+        )
+    return "\n".join(lines)
+
+
+def mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:,.2f}"
+
+
+def write_memory_json(cfg: RunConfig, ranks: list[dict]) -> Path:
+    path = cfg.output_dir / "memory.json"
+    atomic_write(path, json.dumps(ranks, indent=1).encode())
+    return path
 
 
 def peak_memory_per_rank(d: Dist) -> list[str]:
@@ -4526,6 +4632,7 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
     if cfg.plot and trace_file:
         picture = rank0_then_share(d, "could not draw the timeline", lambda: write_timeline_plot(cfg, result.trace))
         outputs += [picture] if picture else []
+    outputs.append(rank0_then_share(d, "could not write memory.json", lambda: write_memory_json(cfg, result.memory)))
     memory = peak_memory_per_rank(d)
     if d.is_main:
         kit.model.eval()
@@ -4538,6 +4645,7 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
         if cfg.metrics_file:
             outputs.append(cfg.metrics_file)
         print_summary(cfg, d, result, time.perf_counter() - started, outputs, memory)
+        say(describe_memory(cfg, d, result.memory))
 
 
 def steps_for_epochs(cfg: RunConfig, d: Dist, kit: ModelKit) -> RunConfig:
