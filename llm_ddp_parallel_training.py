@@ -2624,6 +2624,8 @@ def verify_replicas_agree(d: Dist, step: int, when: str, named: list[tuple[str, 
     Fingerprints are compared as bit patterns: with fp16 an overflowing step is routine (the
     scaler skips it), and its NaN sums are identical on every rank but never equal as numbers.
     """
+    if not named:  # every gradient is sharded: nothing is replicated to compare
+        return
     fingerprint = torch.stack([torch.stack([t.double().sum(), t.double().square().sum()]) for _, t in named]).cpu()
     ranks = [fp.view(torch.int64) for fp in all_gather_tensor(d, fingerprint)]
     for i, (name, _) in enumerate(named):
@@ -2636,17 +2638,27 @@ def verify_replicas_agree(d: Dist, step: int, when: str, named: list[tuple[str, 
             )
 
 
-def trainable_grads(named_params: list[tuple[str, nn.Parameter]]) -> list[tuple[str, torch.Tensor]]:
-    return [(f"grad of {n}", p.grad) for n, p in named_params if p.grad is not None]
+def trainable_grads(model: nn.Module, named_params: list[tuple[str, nn.Parameter]]) -> list[tuple[str, torch.Tensor]]:
+    """The averaged gradients every rank must hold alike: all of them, except under --sharding full,
+    where each rank holds its own shard of a unit's gradient and only the rest are replicated."""
+    return [(f"grad of {n}", p.grad) for n, p in named_params if p.grad is not None and not is_sharded(model, p)]
 
 
 def params_and_optimizer_state(
-    named_params: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer
+    model: nn.Module, named_params: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer
 ) -> list[tuple[str, torch.Tensor]]:
-    named: list[tuple[str, torch.Tensor]] = [(n, p.detach()) for n, p in named_params]
-    for n, p in named_params:
-        named += [(f"optimizer {k} of {n}", v) for k, v in optimizer.state.get(p, {}).items() if torch.is_tensor(v)]
+    """Weights and optimizer state, whole: under --sharding full reassembled from every rank's shards
+    (a collective), so they too must agree. ZeRO-1 keeps each parameter's state on one rank only."""
+    named: list[tuple[str, torch.Tensor]] = [(n, whole_tensor(model, p)) for n, p in named_params]
+    if getattr(optimizer, "optim", None) is None:  # not ZeRO-1: every rank holds the state
+        for n, p in named_params:
+            state = optimizer.state.get(p, {}).items()
+            named += [(f"optimizer {k} of {n}", whole_tensor(model, v, p)) for k, v in state if torch.is_tensor(v)]
     return named
+
+
+def is_sharded(model: nn.Module, p: nn.Parameter) -> bool:
+    return (isinstance(model, ManualFSDP) and p in model.shard) or hasattr(p, "device_mesh")
 
 
 def print_in_rank_order(d: Dist, lines: list[str]) -> None:
@@ -2667,6 +2679,32 @@ def describe_shards(d: Dist, sampler: DistributedSampler) -> list[str]:
         sampler.set_epoch(epoch)
         indices = list(sampler)
         lines.append(f"epoch {epoch} shard: {len(indices)} examples, first {indices[:8]}")
+    return lines
+
+
+def describe_ownership(
+    model: nn.Module, optimizer: torch.optim.Optimizer, named_params: list[tuple[str, nn.Parameter]]
+) -> list[str]:
+    """Under sharding, what this rank keeps: the parameters whose optimizer state it owns (ZeRO-1),
+    or its slice of every parameter (full)."""
+    if getattr(optimizer, "optim", None) is not None:
+        mine = {p for group in optimizer.optim.param_groups for p in group["params"]}
+        owned = [(n, p) for n, p in named_params if p in mine]
+        numbers = sum(p.numel() for _, p in owned)
+        names = ", ".join(n for n, _ in owned[:4]) + (f", ... ({len(owned)} tensors)" if len(owned) > 4 else "")
+        return [f"optimizer state of {numbers:,} of {sum(p.numel() for _, p in named_params):,} weights: {names}"]
+    lines = []
+    for n, p in named_params[:4] if any(is_sharded(model, p) for _, p in named_params) else []:
+        if isinstance(model, ManualFSDP):
+            size, whole = p.numel(), math.prod(model.shape[p])
+            start = model.rank * size
+            lines.append(f"{n}: elements [{start:,}, {min(start + size, whole):,}) of {whole:,}, flattened")
+        else:  # fully_shard cuts dim 0 into N row blocks, as torch.chunk does
+            rows = math.ceil(p.shape[0] / p.device_mesh.size())
+            start = p.device_mesh.get_local_rank() * rows
+            lines.append(f"{n}: rows [{start:,}, {min(start + rows, p.shape[0]):,}) of {p.shape[0]:,}")
+    if lines:
+        lines.append(f"... and so on for all {len(named_params)} trained tensors: weights, gradients, optimizer state")
     return lines
 
 
@@ -3199,7 +3237,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
     if note := describe_sharding(cfg, d):
         log(d, note)
     if cfg.inspect:
-        print_in_rank_order(d, describe_shards(d, sampler))
+        print_in_rank_order(d, describe_shards(d, sampler) + describe_ownership(model, optimizer, named_params))
 
     saved_step = progress.step if resume else None  # the step whose state is on disk
 
@@ -3288,7 +3326,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
         if not math.isfinite(loss) or (not math.isfinite(grad_norm) and scaler is None):
             raise_non_finite(d, step, loss, grad_norm, local_loss_sum.item())
         if cfg.verify_sync and step % cfg.verify_sync == 0:
-            verify_replicas_agree(d, step, "after the gradient all-reduce", trainable_grads(named_params))
+            verify_replicas_agree(d, step, "after the gradient all-reduce", trainable_grads(model, named_params))
         if scaler:
             scaler.step(optimizer)
             scaler.update()
@@ -3297,7 +3335,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
         optimizer.zero_grad(set_to_none=False)  # in place: .grad stays a view into DDP's bucket
         timer.mark("optimizer")
         if cfg.verify_sync and step % cfg.verify_sync == 0:
-            state = params_and_optimizer_state(named_params, optimizer)
+            state = params_and_optimizer_state(model, named_params, optimizer)
             verify_replicas_agree(d, step, "after the optimizer step", state)
         timer.end_step()
 
