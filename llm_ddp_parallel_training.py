@@ -1989,8 +1989,8 @@ class CommStats:
     def traced(self, future: torch.futures.Future, index: int, nbytes: int, dtype: torch.dtype) -> torch.futures.Future:
         if self.timeline is None or not self.timeline.on:
             return future
-        return self.timeline.all_reduce(
-            future, {"bucket": index, "bytes": nbytes, "dtype": str(dtype).removeprefix("torch.")}
+        return self.timeline.collective(
+            "all-reduce", future, {"bucket": index, "bytes": nbytes, "dtype": str(dtype).removeprefix("torch.")}
         )
 
     def end_step(self) -> tuple[int, int]:
@@ -2158,8 +2158,11 @@ def cannot_shard_fully(cfg: RunConfig) -> str | None:
         )
     if cfg.grad_compression != "none":
         return "--grad-compression compresses DDP's all-reduce; --sharding full reduce-scatters instead: drop it"
-    if cfg.trace_steps:
-        return "--trace-steps does not trace --sharding full's all-gathers and reduce-scatters yet: drop it"
+    if cfg.trace_steps and cfg.ddp == "torch":
+        return (
+            "--trace-steps with --sharding full --ddp torch: fully_shard's all-gathers and reduce-scatters "
+            "run out of the timeline's sight; --ddp manual traces its own"
+        )
     return None
 
 
@@ -2392,6 +2395,8 @@ class ManualFSDP(nn.Module):
         self.forward_order: list[Unit] = []  # learned in the first step; prefetch follows it
         self.finish_order: list[Unit] = []  # units in the order their forwards end: backward runs it in reverse
         self.order_known = False
+        self.gloo = dist.get_backend() == "gloo"
+        self.timeline: Timeline | None = None  # --trace-steps: each all-gather and reduce-scatter becomes a span
         for unit in self.units:
             for p in unit.params:
                 p.data = self.shard[p]
@@ -2415,6 +2420,7 @@ class ManualFSDP(nn.Module):
             piece = self.shard[p].to(self.param_dtype or p.dtype)
             whole = torch.empty(piece.numel() * self.world, dtype=piece.dtype, device=piece.device)
             unit.gathering.append((all_gather_single(whole, piece, async_op=True), whole))
+        self._trace("all-gather", [work for work, _ in unit.gathering], unit)
 
     def _gather(self, unit: Unit) -> None:
         self._start_gather(unit)
@@ -2476,8 +2482,19 @@ class ManualFSDP(nn.Module):
         shard = self.shard[p]
         padded = torch.zeros(shard.numel() * self.world, dtype=shard.dtype, device=shard.device)
         padded[: grad.numel()] = grad.reshape(-1)  # summed in the master dtype (fp32), not param_dtype
-        mine = torch.empty_like(shard)
-        unit.scattering.append((p, reduce_scatter_single(mine, padded, async_op=True), mine))
+        if self.gloo:  # Gloo has no reduce-scatter of its own: torch runs this all-reduce and keeps
+            # this rank's piece (pytorch#118911); done here openly, the timeline can time it too.
+            work, mine = dist.all_reduce(padded, async_op=True), padded.view(self.world, -1)[self.rank]
+        else:
+            mine = torch.empty_like(shard)
+            work = reduce_scatter_single(mine, padded, async_op=True)
+        unit.scattering.append((p, work, mine))
+        self._trace("reduce-scatter", [work], unit)
+
+    def _trace(self, name: str, works: list[dist.Work], unit: Unit) -> None:
+        if self.timeline is not None and self.timeline.on:
+            arrivals = torch.futures.collect_all([work.get_future() for work in works])
+            self.timeline.collective(name, arrivals, {"unit": self.units.index(unit), "tensors": len(works)})
 
     def finish_gradient_sync(self) -> None:
         self.order_known = True
@@ -2488,9 +2505,9 @@ class ManualFSDP(nn.Module):
                 missing = [names[q] for q in unit.trainable if q not in unit.arrived]
                 raise TrainingError(f"a sharded unit's gradient never arrived: no gradient for {', '.join(missing)}")
             self._reshard(unit)
-            for p, work, mine in unit.scattering:
+            for p, work, summed in unit.scattering:
                 work.wait()
-                mine.div_(self.world)  # reduce-scatter summed; the contract is the average
+                mine = summed / self.world  # reduce-scatter summed; the contract is the average
                 p.grad = mine if p.grad is None else p.grad.add_(mine)
             unit.scattering, unit.arrived = [], set()
         for work in replicated:
@@ -2795,12 +2812,12 @@ class Timeline:
             self.pending.append((name, self.phase_start, now, {}))
         self.phase_start, self.last_gradient = now, None
 
-    def all_reduce(self, future: torch.futures.Future, args: dict) -> torch.futures.Future:
-        """The bucket's future, with its moment of arrival noted (returns the same value)."""
+    def collective(self, name: str, future: torch.futures.Future, args: dict) -> torch.futures.Future:
+        """The collective's future, with its moment of arrival noted (returns the same value)."""
         start = self.now()
 
         def arrived(f: torch.futures.Future) -> object:
-            self.pending.append(("all-reduce", start, self.now(), args))  # on a communication thread
+            self.pending.append((name, start, self.now(), args))  # on a communication thread
             return f.value()
 
         return future.then(arrived)
@@ -2870,12 +2887,13 @@ def union_seconds(intervals: list[tuple[float, float]]) -> list[tuple[float, flo
 
 
 def hidden_fraction(spans: list[Span]) -> float | None:
-    """Of the time one rank had an all-reduce in flight, the share its backward was computing.
+    """Of the time one rank had communication in flight, the share its forward or backward was
+    computing (DDP's all-reduces run beside backward; FSDP's prefetched all-gathers beside forward too).
 
     That time is free: the wire works while the cores compute. The rest is waited for.
     """
-    comm = union_seconds([(a, b) for n, a, b, _ in spans if n == "all-reduce"])
-    compute = union_seconds([(a, b) for n, a, b, _ in spans if n == "backward"])
+    comm = union_seconds([(a, b) for n, a, b, _ in spans if n in COMMUNICATION])
+    compute = union_seconds([(a, b) for n, a, b, _ in spans if n in ("forward", "backward")])
     total = sum(b - a for a, b in comm)
     if not total:
         return None
@@ -3214,6 +3232,8 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
     offsets = clock_offsets(d) if timeline else []
     predicted = predict_memory(cfg, d, kit)  # from the whole model, before any sharding
     model = wrap_model(kit, cfg, d, stats)
+    if isinstance(model, ManualFSDP):
+        model.timeline = timeline
     # Looked up again: torch's fully_shard replaces every parameter by a sharded one.
     named_params = [(n, p) for n, p in kit.model.named_parameters() if p.requires_grad]
     params = [p for _, p in named_params]
@@ -3629,15 +3649,20 @@ def write_loss_plot(cfg: RunConfig, history: list[dict[str, float]]) -> Path | N
     return path
 
 
+# What a timeline draws on its communication lanes: DDP's all-reduces; FSDP's all-gathers of
+# weights (before forward and again before backward) and reduce-scatters of gradients.
+COMMUNICATION = ("all-reduce", "all-gather", "reduce-scatter")
+
+
 def all_reduce_lanes(spans: list[Span]) -> list[tuple[Span, int]]:
-    """The all-reduce spans in time order, each with a lane, so spans sharing a lane never overlap.
+    """The communication spans in time order, each with a lane, so spans sharing a lane never overlap.
 
     A bucket handed over while the previous one is still in flight overlaps it: it waits its
     turn on the wire. Lane by lane, the timeline shows how deep that queue got.
     """
     ends: list[float] = []
     placed = []
-    for span in sorted((s for s in spans if s[0] == "all-reduce"), key=lambda s: s[1]):
+    for span in sorted((s for s in spans if s[0] in COMMUNICATION), key=lambda s: s[1]):
         lane = next((i for i, end in enumerate(ends) if end <= span[1]), len(ends))
         if lane == len(ends):
             ends.append(span[2])
@@ -3661,9 +3686,9 @@ def chrome_trace(ranks: list[list[Span]]) -> dict:
         comm = all_reduce_lanes(spans)
         for lane in range(max((lane for _, lane in comm), default=-1) + 1):
             events.append(
-                {"ph": "M", "name": "thread_name", "pid": rank, "tid": 1 + lane, "args": {"name": "all-reduce"}}
+                {"ph": "M", "name": "thread_name", "pid": rank, "tid": 1 + lane, "args": {"name": "communication"}}
             )
-        placed = [(s, 0) for s in spans if s[0] != "all-reduce"] + [(s, 1 + lane) for s, lane in comm]
+        placed = [(s, 0) for s in spans if s[0] not in COMMUNICATION] + [(s, 1 + lane) for s, lane in comm]
         for (name, a, b, args), tid in placed:
             events.append(
                 {
@@ -3695,6 +3720,8 @@ PHASE_COLOURS = {
     "sync": "#dd8452",
     "optimizer": "#8172b3",
     "all-reduce": "#c44e52",
+    "all-gather": "#937860",
+    "reduce-scatter": "#da8bc3",
 }
 
 
@@ -3717,7 +3744,7 @@ def timeline_figure(plt: object, cfg: RunConfig, ranks: list[list[Span]]) -> obj
     for rank, spans in enumerate(ranks):
         top = len(ranks) - 1 - rank  # rank 0 on top
         for name, a, b, _ in spans:
-            if name in PHASE_COLOURS and name != "all-reduce":
+            if name in PHASE_COLOURS and name not in COMMUNICATION:
                 ax.broken_barh([(1000 * (a - t0), 1000 * (b - a))], (top + 0.5, 0.4), color=PHASE_COLOURS[name])
             elif name.startswith("step "):
                 ax.axvline(1000 * (a - t0), color="black", lw=0.5, alpha=0.3)
@@ -3725,19 +3752,21 @@ def timeline_figure(plt: object, cfg: RunConfig, ranks: list[list[Span]]) -> obj
                     ax.text(1000 * (a - t0), len(ranks), f" {name}", va="bottom", fontsize=7)
         comm = all_reduce_lanes(spans)
         height = 0.4 / (max((lane for _, lane in comm), default=0) + 1)
-        for (_, a, b, _), lane in comm:
+        for (name, a, b, _), lane in comm:
             y = top + 0.5 - (lane + 1) * height
-            ax.broken_barh(
-                [(1000 * (a - t0), 1000 * (b - a))], (y, height * 0.9), color=PHASE_COLOURS["all-reduce"], alpha=0.8
-            )
+            ax.broken_barh([(1000 * (a - t0), 1000 * (b - a))], (y, height * 0.9), color=PHASE_COLOURS[name], alpha=0.8)
     ax.set_yticks([len(ranks) - 1 - r + 0.5 for r in range(len(ranks))], [f"rank {r}" for r in range(len(ranks))])
     ax.set_ylim(0, len(ranks))
     ax.set_xlabel("milliseconds (one clock for every rank)")
     shares = hidden_shares(ranks)
-    note = f"\nall-reduce hidden behind backward: {shares}" if shares else ""
-    ax.set_title(f"{cfg.model} model, --ddp {cfg.ddp}, {cfg.bucket_mb:g} MiB buckets{note}", fontsize=10, pad=14)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in PHASE_COLOURS.values()]
-    fig.legend(handles, list(PHASE_COLOURS), loc="outside lower center", ncol=len(PHASE_COLOURS), frameon=False)
+    sharded = cfg.sharding == "full"
+    note = f"\n{'communication hidden behind compute' if sharded else 'all-reduce hidden behind backward'}: {shares}"
+    how = "--sharding full" if sharded else f"{cfg.bucket_mb:g} MiB buckets"
+    ax.set_title(f"{cfg.model} model, --ddp {cfg.ddp}, {how}{note if shares else ''}", fontsize=10, pad=14)
+    drawn = {name for spans in ranks for name, *_ in spans}
+    shown = {k: c for k, c in PHASE_COLOURS.items() if k not in COMMUNICATION or k in drawn}
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in shown.values()]
+    fig.legend(handles, list(shown), loc="outside lower center", ncol=len(shown), frameon=False)
     return fig
 
 
@@ -3864,6 +3893,10 @@ def hidden_shares(ranks: list[list[Span]]) -> str:
     return ", ".join(f"rank {r} {100 * h:.0f}%" for r, h in enumerate(hidden) if h is not None)
 
 
+def overlap_label(ranks: list[list[Span]]) -> str:
+    return "communication" if any(name == "all-gather" for name, *_ in ranks[0]) else "all-reduce"
+
+
 def describe_overlap(ranks: list[list[Span]]) -> str:
     if len(ranks) == 1:
         return "none (one process: nothing to synchronise)"
@@ -3871,6 +3904,11 @@ def describe_overlap(ranks: list[list[Span]]) -> str:
     if not per_rank:
         return "none traced (no traced step synchronised gradients)"
     steps = sum(name.startswith("step ") for name, *_ in ranks[0])
+    if any(name == "all-gather" for name, *_ in ranks[0]):
+        return (
+            f"hidden behind forward and backward: {per_rank} of the time an all-gather or reduce-scatter "
+            f"was in flight ({steps} traced steps)"
+        )
     return f"hidden behind backward: {per_rank} of the time a bucket was in flight ({steps} traced steps)"
 
 
@@ -3891,7 +3929,7 @@ def print_summary(
         ("train loss", train_loss),
         ("val loss", f"{last_val['val_loss']:.4f} at step {last_val['step']}" if last_val else "- (no held-out lines)"),
         ("peak memory", "; ".join(memory)),
-        *([("all-reduce", describe_overlap(result.trace))] if result.trace else []),
+        *([(overlap_label(result.trace), describe_overlap(result.trace))] if result.trace else []),
         ("outputs", ", ".join(str(p) for p in outputs)),
     ]
     width = max(len(k) for k, _ in rows)
