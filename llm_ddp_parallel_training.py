@@ -8,7 +8,8 @@ One file, read top to bottom, follows one training run:
     4. Shard         text or chat records become examples; a DistributedSampler hands every rank
                      a disjoint slice of each epoch
     5. Models        a byte-level Transformer from scratch, or Qwen2.5 with LoRA adapters
-    6. Sync          DDP all-reduces the gradients during backward (torch's, or one from scratch)
+    6. Sync          DDP all-reduces the gradients during backward (torch's, or one from scratch);
+                     or the training state is sharded: ZeRO-1 (optimizer state), FSDP (everything)
     7. Check         replicas verified identical (--verify-sync); the learner's report (--inspect);
                      every rank's timeline of compute and all-reduce (--trace-steps)
     8. Train         one loop for both models: forward, backward, sync, clip, step
@@ -1955,7 +1956,7 @@ def check_lora_targets(model: nn.Module, targets: tuple[str, ...]) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# 6. Sync: the gradient all-reduce, by torch's DDP or by a from-scratch DDP beside it
+# 6. Sync: the gradient all-reduce, by torch's DDP or by a from-scratch DDP beside it; then sharding
 # ----------------------------------------------------------------------------------------------
 
 
