@@ -1589,6 +1589,7 @@ class ModelKit:
     data_report: str = ""  # what became of the records on the way to examples
     loss_module: nn.Module | None = None  # what DDP wraps and `loss` runs, if not the model itself
     blocks: list[nn.Module] = field(default_factory=list)  # the Transformer blocks: FSDP's units
+    reload: Callable[[Path], nn.Module] | None = None  # save_final's output read back, as a plain model
 
     @property
     def trained(self) -> nn.Module:
@@ -1653,6 +1654,7 @@ def build_tiny_kit(cfg: RunConfig, d: Dist, lines: list[str], val_lines: list[st
         describe=f"tiny Transformer: {cfg.n_layers} layer(s), d_model {cfg.d_model}, "
         f"{cfg.n_heads} heads, {n_params:,} parameters",
         blocks=list(model.blocks),
+        reload=lambda path: load_tiny_checkpoint(path, d.device),
     )
 
 
@@ -1744,9 +1746,27 @@ def build_qwen_kit(cfg: RunConfig, d: Dist, records: list[Record], val_records: 
         )
         + f": {trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.3f}%)",
         blocks=list(decoder_layers(model)),
+        reload=functools.partial(reload_pretrained, cfg, dtype, d.device),
         data_report=f"{counts['truncated']} cut to --seq-len {cfg.seq_len}, "
         f"{counts['dropped']} dropped with no target token left",
     )
+
+
+def reload_pretrained(cfg: RunConfig, dtype: torch.dtype, device: torch.device, path: Path) -> nn.Module:
+    """The saved output loaded back on this rank alone: the whole model, or the base plus the adapters."""
+    from transformers import AutoModelForCausalLM
+
+    options = {
+        "dtype": dtype,
+        "attn_implementation": cfg.attn_implementation,
+        "trust_remote_code": cfg.trust_remote_code,
+    }
+    if cfg.finetune == "full":
+        return AutoModelForCausalLM.from_pretrained(path, **options).to(device)
+    from peft import PeftModel
+
+    base = AutoModelForCausalLM.from_pretrained(fetch_model_files(cfg), **options)
+    return PeftModel.from_pretrained(base, path).to(device)
 
 
 def add_lora(cfg: RunConfig, model: nn.Module) -> nn.Module:
@@ -4717,12 +4737,22 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
         # which have moved on. Sampling is local to rank 0.
         if whole is None:
             say(f"[sample] {kit.sample(kit.model, cfg.prompt)}")
-        else:  # its forward would wait for the other ranks' shards
-            say(f"[sample] none: under --sharding full no rank holds the whole model ({outputs[0]} does)")
+        else:  # the sharded model's forward would wait for the other ranks' shards
+            say(sample_saved_model(kit, cfg, outputs[0]))
         if cfg.metrics_file:
             outputs.append(cfg.metrics_file)
         print_summary(cfg, d, result, time.perf_counter() - started, outputs, memory)
         say(describe_memory(cfg, d, result.memory))
+
+
+def sample_saved_model(kit: ModelKit, cfg: RunConfig, path: Path) -> str:
+    """Under --sharding full no rank holds the whole model: rank 0 reads back what it saved and
+    samples from that (which also shows the saved output works)."""
+    try:
+        model = kit.reload(path).eval()
+    except torch.OutOfMemoryError:
+        return f"[sample] none: {path} does not fit beside the sharded model on rank 0's device"
+    return f"[sample] (from {path}, read back) {kit.sample(model, cfg.prompt)}"
 
 
 def steps_for_epochs(cfg: RunConfig, d: Dist, kit: ModelKit) -> RunConfig:
