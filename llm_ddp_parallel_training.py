@@ -1634,7 +1634,7 @@ def build_tiny_kit(cfg: RunConfig, d: Dist, lines: list[str], val_lines: list[st
     model = TinyTransformer(config).to(d.device)
     n_params = sum(p.numel() for p in model.parameters())
 
-    def save_final(raw: nn.Module, step: int, whole: dict | None) -> Path:
+    def save_final(raw: nn.Module, step: int, whole: dict | None = None) -> Path:
         path = cfg.output_dir / TINY_FINAL
         atomic_torch_save({"model": whole or raw.state_dict(), "config": asdict(config), "step": step}, path)
         return path
@@ -1684,7 +1684,7 @@ def build_qwen_kit(cfg: RunConfig, d: Dist, records: list[Record], val_records: 
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     final = QWEN_FINAL if cfg.finetune == "lora" else QWEN_FULL_FINAL
 
-    def save_final(raw: nn.Module, step: int, whole: dict | None) -> Path:
+    def save_final(raw: nn.Module, step: int, whole: dict | None = None) -> Path:
         path = cfg.output_dir / final
         with atomic_directory(path) as tmp:
             # LoRA: adapter_config.json + adapter_model.safetensors only. Full: the whole model,
@@ -4225,6 +4225,16 @@ MAY_CHANGE_ON_RESUME = ("max_steps",)
 BATCH_SPLIT = ("world_size", "batch_size", "grad_accum_steps")
 
 
+def may_change(key: str, saved: dict, settings: dict) -> bool:
+    if key in MAY_CHANGE_ON_RESUME:
+        return True
+    if global_batch_of(saved) != global_batch_of(settings):
+        return False
+    # The same global batch, split anew: and with another number of ranks, another way for them
+    # to talk (a plain process has no backend at all; 2 Gloo ranks resume as one).
+    return key in BATCH_SPLIT or (key == "backend" and saved.get("world_size") != settings.get("world_size"))
+
+
 def global_batch_of(settings: dict) -> int | None:
     return math.prod(settings[k] for k in BATCH_SPLIT) if all(k in settings for k in BATCH_SPLIT) else None
 
@@ -4583,11 +4593,10 @@ def check_same_run(state: dict, settings: dict, folder: Path) -> None:
     unrecorded = [k for k in settings if k not in saved]
     if unrecorded:  # written by an earlier version of this script, before these were checked
         say(f"[resume] {folder} does not record {', '.join(unrecorded)}: taking this command's values")
-    resplit = global_batch_of(saved) == global_batch_of(settings)
     changed = [
         f"{k}: {saved[k]!r} then, {v!r} now"
         for k, v in settings.items()
-        if k in saved and saved[k] != v and k not in MAY_CHANGE_ON_RESUME and not (resplit and k in BATCH_SPLIT)
+        if k in saved and saved[k] != v and not may_change(k, saved, settings)
     ]
     if changed:
         raise UsageError(

@@ -1,0 +1,349 @@
+"""--sharding {none,optimizer,full} and --finetune full, through the CLI on 2 Gloo ranks.
+
+Sharding moves where weights, gradients and optimizer state live; it must not move the numbers.
+Each strategy (torch's ZeroRedundancyOptimizer and fully_shard, or the from-scratch
+ShardedOptimizer and ManualFSDP, chosen by --ddp) is judged against the `--sharding none --ddp
+torch` run of the same flags: fp32 on CPU, the final weights must be bitwise equal. The averaged
+gradient is the same sum of the same two per-rank numbers, halved (exact), whether it arrives by
+all-reduce or by reduce-scatter. One exception is expected and measured: when clipping acts,
+full sharding adds up the squared gradient norm shard by shard, in another order, so the clip
+coefficient may differ in its last bit.
+
+Every checkpoint holds the whole gathered state in one format, so a checkpoint from any sharding
+resumes under any other, and under another world size when the global batch stays the same.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY, Run, assert_ok, child_env, launch, run_cmd, torchrun_cmd
+
+REFERENCE = ("none", "torch")
+SHARDED = [("optimizer", "torch"), ("optimizer", "manual"), ("full", "torch"), ("full", "manual")]
+STRATEGIES = [("none", "manual"), *SHARDED]  # manual DDP beside them: it too must not move a bit
+
+# SGD moves each weight by exactly lr x gradient: a gradient off by any factor shows in the weights.
+# --no-pack: one padded line per example, so the ranks hold different token counts.
+SGD = [*TINY, "--no-pack", "--optimizer", "sgd", "--lr", "0.5", "--grad-clip", "0", "--max-steps", "5",
+       "--log-every", "1"]  # fmt: skip
+# AdamW with dropout on every rank and accumulation; long enough to checkpoint, kill, stop and resume in.
+ADAMW = [*TINY, "--dropout", "0.1", "--batch-size", "2", "--grad-accum-steps", "2", "--grad-clip", "0",
+         "--max-steps", "20", "--save-every", "5", "--keep-last", "4", "--log-every", "1"]  # fmt: skip
+CLIP = 0.5
+CLIPPED = [*TINY, "--grad-clip", str(CLIP), "--max-steps", "5", "--log-every", "1"]
+
+Weights = dict[str, torch.Tensor]
+
+
+def weights(out: Path) -> Weights:
+    return torch.load(out / "tiny_transformer.pt", weights_only=True)["model"]
+
+
+def checkpoint(out: Path, step: int) -> Path:
+    return out / "checkpoints" / f"step_{step:08d}"
+
+
+def max_difference(a: Weights, b: Weights) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def assert_bitwise_equal(a: Weights, b: Weights, what: str) -> None:
+    assert a.keys() == b.keys()
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, f"{what}: {differ} differ, max |dparam| = {max_difference(a, b):.3g}"
+
+
+def two_ranks(args: list[str], timeout: float = 120) -> Run:
+    """The script's own launcher, --nproc 2: the same ranks torchrun --standalone starts, started sooner."""
+    return launch([*args, "--nproc", "2"], timeout=timeout)
+
+
+def sharded(sharding: str, ddp: str) -> list[str]:
+    return ["--sharding", sharding, "--ddp", ddp]
+
+
+def grad_norms(run: Run) -> list[float]:
+    return [float(x) for x in re.findall(r"^step\s+\d+/\d+ \|.*\| grad norm ([0-9.]+)", run.stdout, re.M)]
+
+
+def train_each(root: Path, flags: list[str], strategies: list[tuple[str, str]]) -> dict[tuple[str, str], Path]:
+    """One 2-rank run per (sharding, ddp); returns each one's output folder."""
+    outs = {}
+    for sharding, ddp in strategies:
+        out = root / f"{sharding}-{ddp}"
+        assert_ok(two_ranks([*flags, *sharded(sharding, ddp), "--output-dir", str(out)]))
+        outs[sharding, ddp] = out
+    return outs
+
+
+@pytest.fixture(scope="module")
+def sgd_runs(tmp_path_factory) -> dict[tuple[str, str], Path]:
+    return train_each(tmp_path_factory.mktemp("sgd"), SGD, [REFERENCE, *SHARDED])
+
+
+@pytest.fixture(scope="module")
+def adamw_runs(tmp_path_factory) -> dict[tuple[str, str], Path]:
+    return train_each(tmp_path_factory.mktemp("adamw"), ADAMW, [REFERENCE, *STRATEGIES])
+
+
+@pytest.fixture(scope="module")
+def clipped_runs(tmp_path_factory) -> dict[tuple[str, str], tuple[Run, Path]]:
+    root, runs = tmp_path_factory.mktemp("clipped"), {}
+    for sharding, ddp in [REFERENCE, ("optimizer", "manual"), ("full", "torch"), ("full", "manual")]:
+        out = root / f"{sharding}-{ddp}"
+        run = two_ranks([*CLIPPED, *sharded(sharding, ddp), "--output-dir", str(out)])
+        assert_ok(run)
+        runs[sharding, ddp] = (run, out)
+    return runs
+
+
+# ----------------------------------------------------------------------------------------------
+# The same numbers under every sharding
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sharding, ddp", SHARDED)
+def test_sgd_trains_the_same_weights_bitwise_under_every_sharding(sgd_runs, sharding, ddp):
+    assert_bitwise_equal(weights(sgd_runs[REFERENCE]), weights(sgd_runs[sharding, ddp]), f"{sharding}/{ddp}")
+
+
+@pytest.mark.parametrize("sharding, ddp", STRATEGIES)
+def test_adamw_with_dropout_and_accumulation_trains_the_same_weights_bitwise_under_every_sharding(
+    adamw_runs, sharding, ddp
+):
+    # Dropout 0.1: each rank draws its own masks, and must draw the same ones whatever holds its weights.
+    assert_bitwise_equal(weights(adamw_runs[REFERENCE]), weights(adamw_runs[sharding, ddp]), f"{sharding}/{ddp}")
+
+
+def test_clipping_acts_at_every_step_of_the_clipped_runs(clipped_runs):
+    norms = grad_norms(clipped_runs[REFERENCE][0])
+    assert len(norms) == 5 and min(norms) > CLIP, norms
+
+
+def test_with_clipping_acting_optimizer_sharding_stays_bitwise(clipped_runs):
+    # ZeRO-1 clips the whole all-reduced gradient, as DDP does: the same norm, the same coefficient.
+    reference, sharded_out = clipped_runs[REFERENCE][1], clipped_runs["optimizer", "manual"][1]
+    assert_bitwise_equal(weights(reference), weights(sharded_out), "optimizer/manual, clipped")
+
+
+@pytest.mark.parametrize("ddp", ["torch", "manual"])
+def test_with_clipping_acting_full_sharding_agrees_to_float32_rounding(clipped_runs, ddp):
+    # Full sharding sums each rank's squared shard norms, then the ranks' sums: the same squares in
+    # another order, so the norm and hence the clip coefficient may differ in its last bit. After
+    # 5 clipped AdamW steps we measured max |dparam| = 7.5e-9 (torch's fully_shard and ManualFSDP
+    # alike). A wrong norm (one shard's only, or a sum where a mean belongs) changes the coefficient
+    # itself, by a factor, and the weights by orders of magnitude more than 1e-6.
+    diff = max_difference(weights(clipped_runs[REFERENCE][1]), weights(clipped_runs["full", ddp][1]))
+    print(f"full/{ddp} vs none/torch, clipping at {CLIP}: max |dparam| = {diff:.3g}")
+    assert diff < 1e-6
+
+
+@pytest.fixture(scope="module")
+def doubled_gradient(tmp_path_factory) -> Path:
+    """The reference SGD run with lr doubled: what a summed (not averaged) gradient looks like under SGD."""
+    out = tmp_path_factory.mktemp("sgd-doubled")
+    assert_ok(two_ranks([*SGD, "--lr", "1.0", *sharded(*REFERENCE), "--output-dir", str(out)]))
+    return out
+
+
+@pytest.mark.parametrize("ddp", ["torch", "manual"])
+def test_full_sharding_averages_gradients_over_ranks_it_does_not_sum_them(sgd_runs, doubled_gradient, ddp):
+    # fully_shard's reduce-scatter on Gloo, and ManualFSDP's, must end in the mean: SGD at lr 0.5
+    # then lands exactly on DDP's weights, and far from where a gradient twice as large lands.
+    fsdp, ddp_weights = weights(sgd_runs["full", ddp]), weights(sgd_runs[REFERENCE])
+    assert_bitwise_equal(ddp_weights, fsdp, f"full/{ddp}")
+    doubled = max_difference(fsdp, weights(doubled_gradient))
+    print(f"full/{ddp} vs the gradient doubled: max |dparam| = {doubled:.3g}")
+    assert doubled > 1e-3
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints: one whole format, so any sharding resumes any other
+# ----------------------------------------------------------------------------------------------
+
+
+def saved_state(out: Path, step: int = 10) -> dict:
+    return torch.load(checkpoint(out, step) / "state.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("sharding, ddp", STRATEGIES)
+def test_a_checkpoint_holds_the_whole_state_in_the_same_format_under_every_sharding(adamw_runs, sharding, ddp):
+    whole, state = saved_state(adamw_runs[REFERENCE]), saved_state(adamw_runs[sharding, ddp])
+    trainable = state["trainable"]
+    assert {k: v.shape for k, v in trainable.items()} == {k: v.shape for k, v in whole["trainable"].items()}
+    # A plain torch optimizer's state_dict over the trainable weights in order, every moment full-shaped.
+    shapes = [v.shape for v in trainable.values()]
+    assert sorted(state["optimizer"]["state"]) == list(range(len(shapes)))
+    assert [g["params"] for g in state["optimizer"]["param_groups"]] == [
+        g["params"] for g in whole["optimizer"]["param_groups"]
+    ]
+    for i, moments in state["optimizer"]["state"].items():
+        assert moments["exp_avg"].shape == moments["exp_avg_sq"].shape == shapes[i], i
+    # The runs agree bitwise, so their step-10 states do too: the gathered shards are put back in place.
+    assert_bitwise_equal(whole["trainable"], trainable, f"{sharding}/{ddp} checkpoint weights")
+    for i, moments in whole["optimizer"]["state"].items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(moments[k], state["optimizer"]["state"][i][k]), f"{sharding}/{ddp}: {k} of {i}"
+
+
+def test_a_checkpoint_without_sharding_resumes_under_full_sharding(adamw_runs, tmp_path):
+    run = two_ranks([*ADAMW, *sharded("full", "torch"), "--output-dir", str(tmp_path),
+                     "--resume", str(checkpoint(adamw_runs[REFERENCE], 10))])  # fmt: skip
+    assert_ok(run)
+    assert "continuing from" in run.stdout and "step_00000010 (step 10" in run.stdout, run.stdout
+    diff = max_difference(weights(adamw_runs[REFERENCE]), weights(tmp_path))
+    print(f"none checkpoint resumed under full vs uninterrupted none: max |dparam| = {diff:.3g}")
+    assert diff < 1e-5
+
+
+@pytest.mark.parametrize("launcher", [[], ["--nproc", "1"]], ids=["plain process", "--nproc 1"])
+def test_a_fully_sharded_checkpoint_of_2_ranks_resumes_in_one_process_with_the_same_global_batch(
+    adamw_runs, tmp_path, launcher
+):
+    # 2 ranks x 2 examples x 2 micro-steps continue as 1 process x 4 x 2: the same 8 examples per step,
+    # whether that one process is a plain `python script.py` (no process group) or a group of one.
+    one = [*ADAMW, "--batch-size", "4", "--sharding", "none", "--output-dir", str(tmp_path), *launcher]
+    run = launch([*one, "--resume", str(checkpoint(adamw_runs["full", "torch"], 10))])
+    assert_ok(run)
+    assert "continuing from" in run.stdout and "step_00000010 (step 10" in run.stdout, run.stdout
+    assert "saved by 2 rank(s), resumed by 1" in run.output
+    assert "step    20/20" in run.stdout and (tmp_path / "tiny_transformer.pt").exists()
+
+
+def test_full_sharding_resumes_bit_exactly_after_a_killed_worker(adamw_runs, tmp_path):
+    args = [*ADAMW, *sharded("full", "manual"), "--output-dir", str(tmp_path), "--inject-fault", "1:13:kill"]
+    run = run_cmd(torchrun_cmd(2, args, ["--standalone", "--max-restarts=1"]), timeout=180)
+    assert_ok(run)
+    assert "injected 'kill' at step 13" in run.stderr
+    assert "continuing from" in run.stdout and "step_00000010 (step 10" in run.stdout
+    assert_bitwise_equal(weights(adamw_runs["full", "manual"]), weights(tmp_path), "killed at 13, resumed from 10")
+
+
+def sigterm_at_step(cmd: list[str], step: int) -> tuple[int, str]:
+    """Start torchrun, SIGTERM it once it logs `step`, and collect the rest: (exit code, output)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
+                            start_new_session=True)  # fmt: skip
+    try:
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith(f"step {step:>5}/"):
+                break
+        os.kill(proc.pid, signal.SIGTERM)
+        output = "".join(seen) + proc.communicate(timeout=90)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, output
+
+
+def test_optimizer_sharding_stops_on_sigterm_with_a_checkpoint_and_the_same_command_finishes_bit_exactly(
+    adamw_runs, tmp_path
+):
+    args = [*ADAMW, *sharded("optimizer", "manual"), "--output-dir", str(tmp_path)]
+    returncode, output = sigterm_at_step(torchrun_cmd(2, args), 3)
+    assert returncode != 0
+    assert "[stop] SIGTERM: every rank stopped after step" in output, output
+    stopped_at = int(output.split("stopped after step ")[1].split(";")[0])
+    assert 3 <= stopped_at < 20 and (checkpoint(tmp_path, stopped_at) / "manifest.json").exists()
+    assert_ok(two_ranks(args))
+    assert_bitwise_equal(weights(adamw_runs["optimizer", "manual"]), weights(tmp_path), f"stopped at {stopped_at}")
+
+
+# ----------------------------------------------------------------------------------------------
+# One process, and what full sharding refuses
+# ----------------------------------------------------------------------------------------------
+
+
+def test_one_process_with_sharding_says_there_is_nothing_to_shard_and_trains(tmp_path):
+    run = launch([*TINY, "--max-steps", "1", "--sharding", "full", "--output-dir", str(tmp_path)])
+    assert_ok(run)
+    assert "nothing to shard" in run.stdout
+    assert (tmp_path / "tiny_transformer.pt").exists()
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [(["--sharding", "full", "--precision", "fp16"], "--precision fp16"),
+     (["--sharding", "full", "--grad-compression", "bf16"], "--grad-compression"),
+     (["--sharding", "full", "--trace-steps", "2", "--ddp", "torch"], "--trace-steps"),  # manual traces its own
+     (["--sharding", "full", "--gradient-checkpointing", "--ddp", "manual"], "--gradient-checkpointing"),
+     (["--finetune", "full"], "--finetune full")],
+    ids=["fp16", "grad-compression", "trace-steps", "gradient-checkpointing", "finetune full without qwen"],
+)  # fmt: skip
+def test_a_combination_that_cannot_be_honoured_is_refused_with_one_line_naming_the_flag(tmp_path, flags, named):
+    run = two_ranks([*TINY, "--max-steps", "2", *flags, "--output-dir", str(tmp_path)], timeout=60)
+    assert run.returncode == 2, run.output
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0], run.stderr
+    assert "step " not in run.stdout and not (tmp_path / "tiny_transformer.pt").exists()
+
+
+def test_under_torchrun_the_ranks_refuse_full_sharding_with_fp16_before_training(tmp_path):
+    # Under torchrun no launcher of ours parses first: each rank parses and refuses on its own, at
+    # once, and none is left waiting for a peer (that would take --timeout-s).
+    run = launch([*TINY, "--max-steps", "2", "--sharding", "full", "--precision", "fp16",
+                  "--output-dir", str(tmp_path)], nproc=2, timeout=60)  # fmt: skip
+    assert run.returncode != 0 and "exitcode  : 2" in run.stderr, run.stderr
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "--precision fp16 with --sharding full" in errors[0], run.stderr
+    assert "step " not in run.stdout and run.seconds < 30
+
+
+# ----------------------------------------------------------------------------------------------
+# Qwen: every weight fine-tuned, or LoRA, with the weights sharded
+# ----------------------------------------------------------------------------------------------
+
+
+def qwen_args(model_dir: Path, out_dir: Path, *extra: str) -> list[str]:
+    return [
+        "--model", "qwen", "--model-name-or-path", str(model_dir), "--cpu", "--output-dir", str(out_dir),
+        "--batch-size", "4", "--seq-len", "32", "--sample-tokens", "8", "--lr", "1e-2", "--max-steps", "3",
+        "--log-every", "1", *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def qwen_full(tiny_qwen, tmp_path_factory) -> tuple[Run, Path]:
+    out = tmp_path_factory.mktemp("qwen_full")
+    run = two_ranks(qwen_args(tiny_qwen, out, "--finetune", "full", *sharded("full", "torch")), timeout=180)
+    assert_ok(run)
+    return run, out
+
+
+def test_full_finetuning_under_full_sharding_saves_a_whole_model_that_transformers_loads(tiny_qwen, qwen_full):
+    from transformers import AutoModelForCausalLM
+
+    _, out = qwen_full
+    assert (out / "qwen_full" / "tokenizer_config.json").exists() and not (out / "qwen_lora").exists()
+    base = AutoModelForCausalLM.from_pretrained(tiny_qwen).state_dict()
+    tuned = AutoModelForCausalLM.from_pretrained(out / "qwen_full").state_dict()
+    assert tuned.keys() == base.keys()
+    assert all(tuned[k].shape == base[k].shape for k in base)
+    unchanged = [k for k in base if torch.equal(tuned[k], base[k])]
+    print(f"full fine-tuning: {len(base) - len(unchanged)} of {len(base)} tensors moved")
+    assert not unchanged, f"every weight trains, yet these did not move: {unchanged}"
+
+
+def test_under_full_sharding_rank_0_samples_from_the_model_it_saved_read_back(qwen_full):
+    # Sampling is rank 0's alone, and under full sharding rank 0 holds only its shards of the model.
+    run, out = qwen_full
+    samples = [line for line in run.stdout.splitlines() if line.startswith("[sample]")]
+    assert len(samples) == 1 and samples[0].startswith(f"[sample] (from {out / 'qwen_full'}, read back) "), samples
+
+
+def test_lora_under_full_sharding_saves_adapters_that_peft_loads(tiny_qwen, tmp_path):
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    assert_ok(two_ranks(qwen_args(tiny_qwen, tmp_path, *sharded("full", "manual")), timeout=180))
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_qwen), tmp_path / "qwen_lora")
+    lora_b = {k: v for k, v in model.state_dict().items() if "lora_B" in k}
+    assert lora_b and all(v.abs().sum() > 0 for v in lora_b.values()), "every lora_B must move off zero"
