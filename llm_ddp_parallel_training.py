@@ -2372,6 +2372,7 @@ class Unit:
     full: bool = False  # the parameters hold their whole weights now
     arrived: set[nn.Parameter] = field(default_factory=set)  # gradients ready in this backward
     scattering: list[tuple[nn.Parameter, dist.Work, torch.Tensor]] = field(default_factory=list)
+    settled: list[tuple[nn.Parameter, torch.Tensor]] = field(default_factory=list)  # averaged shard gradients
 
 
 class ManualFSDP(nn.Module):
@@ -2511,6 +2512,19 @@ class ManualFSDP(nn.Module):
             work = reduce_scatter_single(mine, padded, async_op=True)
         unit.scattering.append((p, work, mine))
         self._trace("reduce-scatter", [work], unit)
+        if len(unit.arrived) == len(unit.trainable):
+            # This unit's gradients are all on the wire: settle the units before it. Each
+            # reduce-scatter holds a whole, padded gradient until it ends; settling them as we
+            # go keeps about one unit's in flight, not the whole model's, as FSDP does.
+            for other in self.units:
+                if other is not unit:
+                    self._settle(other)
+
+    def _settle(self, unit: Unit) -> None:
+        for p, work, summed in unit.scattering:
+            work.wait()
+            unit.settled.append((p, summed / self.world))  # reduce-scatter summed; the contract is the average
+        unit.scattering = []  # the whole, padded gradients are freed
 
     def _trace(self, name: str, works: list[dist.Work], unit: Unit) -> None:
         if self.timeline is not None and self.timeline.on:
@@ -2525,12 +2539,11 @@ class ManualFSDP(nn.Module):
                 names = {q: n for n, q in self.module.named_parameters()}
                 missing = [names[q] for q in unit.trainable if q not in unit.arrived]
                 raise TrainingError(f"a sharded unit's gradient never arrived: no gradient for {', '.join(missing)}")
+            self._settle(unit)
             self._reshard(unit)
-            for p, work, summed in unit.scattering:
-                work.wait()
-                mine = summed / self.world  # reduce-scatter summed; the contract is the average
+            for p, mine in unit.settled:
                 p.grad = mine if p.grad is None else p.grad.add_(mine)
-            unit.scattering, unit.arrived = [], set()
+            unit.settled, unit.arrived = [], set()
         for work in replicated:
             work.wait()
         for p in self.replicated:
