@@ -3409,7 +3409,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
         save_state()
     reporter.close()
     trace = collect_trace(d, timeline, offsets) if timeline else []
-    memory = measure_memory(d, kit, optimizer, predicted)
+    memory = measure_memory(d, kit, model, optimizer, predicted)
     return TrainResult(progress, reporter.tokens, reporter.seconds, stopped_by, trace, model, memory)
 
 
@@ -3832,8 +3832,12 @@ def predict_memory(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
     }
 
 
-def measure_memory(d: Dist, kit: ModelKit, optimizer: torch.optim.Optimizer, predicted: dict) -> list[dict]:
-    """Every rank's parameters, gradients and optimizer state in bytes, and its peak. A collective."""
+def measure_memory(
+    d: Dist, kit: ModelKit, model: nn.Module, optimizer: torch.optim.Optimizer, predicted: dict
+) -> list[dict]:
+    """Every rank's parameters, gradients and optimizer state in bytes, and its peak. A collective.
+    ManualDDP's flat buckets count as gradients: a second copy of them (torch's DDP makes .grad
+    a view into its buckets instead)."""
     counted: set[tuple[int, str]] = set()
 
     def storage_bytes(tensors: Iterator[torch.Tensor]) -> int:
@@ -3846,12 +3850,13 @@ def measure_memory(d: Dist, kit: ModelKit, optimizer: torch.optim.Optimizer, pre
         return total
 
     params = list(kit.trained.parameters())
+    buckets = [bucket.flat for bucket in model.buckets] if isinstance(model, ManualDDP) else []
     # ZeRO-1 (torch's and ours) steps an inner optimizer that holds this rank's share of the state.
     state = getattr(optimizer, "optim", optimizer).state.values()
     mine = {
         "rank": d.rank,
         "parameters": storage_bytes(iter(params)),
-        "gradients": storage_bytes(p.grad for p in params if p.grad is not None),
+        "gradients": storage_bytes(itertools.chain((p.grad for p in params if p.grad is not None), buckets)),
         "optimizer_state": storage_bytes(t for s in state for t in s.values() if torch.is_tensor(t)),
         "peak": peak_bytes(d),
         **predicted,
