@@ -1861,7 +1861,11 @@ def head_loss_sum(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) 
 def choose_weights_dtype(cfg: RunConfig, d: Dist) -> torch.dtype:
     on_gpu = d.device.type == "cuda"
     if cfg.dtype == "auto":
-        # Qwen2 was trained in bf16; fp16 overflows in it, so auto never picks fp16.
+        # Qwen2 was trained in bf16; fp16 overflows in it, so auto never picks fp16. Trained
+        # weights stay fp32 (autocast computes in bf16): at a fine-tuning lr most AdamW updates
+        # are smaller than half a bf16 step of the weight, and would round away.
+        if cfg.finetune == "full":
+            return torch.float32
         return torch.bfloat16 if on_gpu and gpu_computes_bf16() else torch.float32
     if cfg.dtype == "float16" and not on_gpu:
         raise UsageError("--dtype float16 needs a CUDA device; use float32 or bfloat16 on CPU")
@@ -2177,6 +2181,11 @@ def cannot_shard_fully(cfg: RunConfig) -> str | None:
             "--precision fp16 with --sharding full: an overflow would show in one rank's shard only, and the "
             "ranks would skip different steps; use --precision bf16 or fp32"
         )
+    if cfg.inject_fault and cfg.inject_fault.kind == "desync":
+        return (
+            "--inject-fault desync with --sharding full: there are no replicas to drift apart (each rank updates "
+            "its own shard only), so no check could tell a wrong shard from a right one"
+        )
     if cfg.grad_compression != "none":
         return "--grad-compression compresses DDP's all-reduce; --sharding full reduce-scatters instead: drop it"
     if cfg.trace_steps and cfg.ddp == "torch":
@@ -2318,9 +2327,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             work.wait()
         return loss
 
-    def state_dict(self) -> dict:
+    def state_dict(self, to: int | None = None, group: dist.ProcessGroup | None = None) -> dict:
         """The full state, exactly as an unsharded optimizer_class would return it. A collective:
-        every rank calls it, and every rank receives the whole state."""
+        every rank calls it, and every rank receives the whole state; or, with `to`, that rank
+        alone (the others get {}), as a checkpoint wants: every rank holding all of it is
+        what ZeRO-1 exists to avoid. `group`: a Gloo group, to keep the state off the GPUs."""
         index, inner = self._global_index(), self.optim.state_dict()
         mine = [p for group in self.optim.param_groups for p in group["params"]]
         local = {
@@ -2329,7 +2340,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if i in inner["state"]
         }
         shares: list[dict] = [{} for _ in range(dist.get_world_size())]
-        dist.all_gather_object(shares, local)
+        if to is None:
+            dist.all_gather_object(shares, local, group=group)
+        else:
+            dist.gather_object(local, shares if self.rank == to else None, dst=to, group=group)
+            if self.rank != to:
+                return {}
         groups = [
             {**_options(ig), "params": [index[p] for p in og["params"]]}
             for og, ig in zip(self.param_groups, inner["param_groups"], strict=True)
@@ -2385,7 +2401,8 @@ class ManualFSDP(nn.Module):
     2. Before the unit's forward: all-gather the pieces into the whole weight (p.data = whole).
        While the unit computes, the next unit's all-gather is already in flight (prefetch).
     3. After its forward: p.data = the shard again, and the whole weight is freed. Autograd
-       saved p itself, not a copy: backward will use whatever p.data holds by then.
+       saved p itself, not a copy: backward will use whatever p.data holds by then. (The root
+       unit's forward encloses all the others: it stays whole until its forward ends.)
     4. Before its backward (a hook on its output's gradient): gather again, and prefetch the
        unit whose backward comes next.
     5. As its last gradient arrives: reduce-scatter. Each rank receives the sum over ranks of
@@ -2502,8 +2519,9 @@ class ManualFSDP(nn.Module):
             return
         unit.arrived.add(p)
         shard = self.shard[p]
-        padded = torch.zeros(shard.numel() * self.world, dtype=shard.dtype, device=shard.device)
-        padded[: grad.numel()] = grad.reshape(-1)  # summed in the master dtype (fp32), not param_dtype
+        padded = grad.reshape(-1).to(shard.dtype)  # summed in the master dtype (fp32), not param_dtype
+        if padded.numel() < shard.numel() * self.world:
+            padded = F.pad(padded, (0, shard.numel() * self.world - padded.numel()))
         if self.gloo:  # Gloo has no reduce-scatter of its own: torch runs this all-reduce and keeps
             # this rank's piece (pytorch#118911); done here openly, the timeline can time it too.
             work, mine = dist.all_reduce(padded, async_op=True), padded.view(self.world, -1)[self.rank]
@@ -2698,8 +2716,10 @@ def trainable_grads(model: nn.Module, named_params: list[tuple[str, nn.Parameter
 def params_and_optimizer_state(
     model: nn.Module, named_params: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer
 ) -> list[tuple[str, torch.Tensor]]:
-    """Weights and optimizer state, whole: under --sharding full reassembled from every rank's shards
-    (a collective), so they too must agree. ZeRO-1 keeps each parameter's state on one rank only."""
+    """Weights and optimizer state, whole. Under --sharding full they are reassembled from every
+    rank's shards (a collective): equal everywhere unless the gather itself is broken, which is
+    all this can check there, as no rank holds a copy of another's shard. ZeRO-1 keeps each
+    parameter's optimizer state on one rank only: it is left out."""
     named: list[tuple[str, torch.Tensor]] = [(n, whole_tensor(model, p)) for n, p in named_params]
     if getattr(optimizer, "optim", None) is None:  # not ZeRO-1: every rank holds the state
         for n, p in named_params:
@@ -3399,7 +3419,8 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
         evaluating = kit.val is not None and (step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0))
         val = evaluate(cfg, d, kit, precision) if evaluating else {}
         metrics = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, **val}
-        sent = {"allreduce_calls": calls, "allreduce_bytes": nbytes}
+        # Under --sharding full no bucket is all-reduced: the weights are gathered, the gradients scattered.
+        sent = {} if cfg.sharding == "full" and d.distributed else {"allreduce_calls": calls, "allreduce_bytes": nbytes}
         reporter.step_done(metrics | sent, int(global_tokens), step_seconds, steps_per_epoch, timer)
         if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.max_steps):
             save_state()
@@ -3447,7 +3468,8 @@ def report_inspect_step(
     loss_total, means_total, global_tokens = all_reduce_sum(
         d, [local_loss_sum, local_loss_sum / local_tokens, local_tokens]
     )
-    if step == 1:
+    bucketed = bool(stats.local_grads)  # DDP's buckets; under --sharding full there are none to show
+    if step == 1 and bucketed:
         log(d, "[inspect] gradient buckets at step 1 (a bucket is all-reduced as soon as all its gradients are ready):")
         log(d, "\n".join(f"[inspect]   {line}" for line in describe_buckets(stats)))
     calls, nbytes = sent
@@ -3456,7 +3478,7 @@ def report_inspect_step(
         [
             f"step {step}: local loss {local_loss_sum / local_tokens:.4f} over {local_tokens} tokens "
             f"({'+'.join(map(str, micro_tokens))} in {len(micro_tokens)} micro-step(s))",
-            f"step {step}: {describe_local_gradient(stats, named_params)}",
+            *([f"step {step}: {describe_local_gradient(stats, named_params)}"] if bucketed else []),
         ],
     )
     log(
@@ -3483,8 +3505,9 @@ def evaluate(cfg: RunConfig, d: Dist, kit: ModelKit, precision: str) -> dict[str
     Rank r takes held-out examples r, r+W, r+2W, ...: every example exactly once. (A
     DistributedSampler would repeat examples to give every rank the same count, and count
     them twice.) Each rank runs the *unwrapped* model: no DDP hooks and no per-batch
-    collective, so shards of unequal size cannot leave a rank waiting. One all-reduce then
-    sums loss, tokens and bytes.
+    collective, so shards of unequal size cannot leave a rank waiting. (Under --sharding full
+    every forward gathers weights: a rank with fewer batches runs uncounted ones to join in.)
+    One all-reduce then sums loss, tokens and bytes.
     """
     val, model = kit.val, kit.trained
     model.eval()
@@ -3641,7 +3664,7 @@ def format_metrics(r: dict[str, float], max_steps: int, distributed: bool) -> st
         f"step {int(r['step']):>5}/{max_steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
         f"grad norm {r['grad_norm']:.3f} | {r['tokens_per_sec']:,.0f} tok/s"
     )
-    if distributed:
+    if distributed and "allreduce_calls" in r:
         line += f" | all-reduced {r['allreduce_calls']} bucket(s), {r['allreduce_bytes'] / 2**20:.2f} MiB"
     if "mfu" in r:
         line += f" | MFU {100 * r['mfu']:.1f}%"
@@ -4246,8 +4269,8 @@ BATCH_SPLIT = ("world_size", "batch_size", "grad_accum_steps")
 def may_change(key: str, saved: dict, settings: dict) -> bool:
     if key in MAY_CHANGE_ON_RESUME:
         return True
-    if global_batch_of(saved) != global_batch_of(settings):
-        return False
+    if global_batch_of(saved) != global_batch_of(settings) or settings.get("loss_normalization") != "global-tokens":
+        return False  # (a mean of per-rank means weighs tokens by how the batch is split)
     # The same global batch, split anew: and with another number of ranks, another way for them
     # to talk (a plain process has no backend at all; 2 Gloo ranks resume as one).
     return key in BATCH_SPLIT or (key == "backend" and saved.get("world_size") != settings.get("world_size"))
@@ -4360,7 +4383,9 @@ def whole_optimizer_state(
     if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
         optimizer.consolidate_state_dict(to=0)
         return optimizer.state_dict() if d.is_main else None
-    state = optimizer.state_dict()  # ShardedOptimizer's is a collective that returns the whole state
+    if isinstance(optimizer, ShardedOptimizer):  # a collective; rank 0 receives the whole state
+        return optimizer.state_dict(to=0, group=d.control) or None
+    state = optimizer.state_dict()
     if isinstance(model, ManualFSDP) or any(hasattr(p, "full_tensor") for p in params):
         state = {
             **state,

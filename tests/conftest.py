@@ -87,6 +87,14 @@ def assert_ok(run: Run) -> None:
     assert run.returncode == 0, f"exit {run.returncode}\n--- stdout\n{run.stdout}\n--- stderr\n{run.stderr}"
 
 
+@pytest.fixture(autouse=True)
+def run_in_a_folder_of_its_own(tmp_path, monkeypatch):
+    """Every test, and every process it starts, works in its own temp folder: a run with the default
+    --output-dir (outputs/) writes there, never into the repo, nor into another test's run when the
+    tests run side by side (pytest -n 2)."""
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture(scope="session")
 def corpus_lines() -> list[str]:
     return [line for line in (REPO / "corpus.txt").read_text(encoding="utf-8").splitlines() if line.strip()]
