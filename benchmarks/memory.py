@@ -1,6 +1,6 @@
 """Measure what each --sharding strategy keeps in every rank's memory, and what it costs in step time.
 
-    python benchmarks/memory.py            # the full measurement: about 12 minutes on 2 CPU cores
+    python benchmarks/memory.py            # the full measurement: 12-15 minutes on 2 CPU cores (two runs)
     python benchmarks/memory.py --smoke    # each kind of run once, small and 2 steps: checks the harness
 
 Each run trains through llm_ddp_parallel_training.py as a user would start it (`--cpu --nproc N`,
