@@ -2059,7 +2059,27 @@ class Bucket:
     wire: torch.Tensor | None = None  # what travels: flat itself, or its bf16 copy
 
 
-class ManualDDP(nn.Module):
+class WrapperThatSyncs(nn.Module):
+    """What ManualDDP and ManualFSDP share: the wrapped module, and no_sync() for accumulation."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self.require_sync = True  # False inside no_sync(): gradients accumulate, nothing travels
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.require_sync = False
+        try:
+            yield
+        finally:
+            self.require_sync = True
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        return self.module(*args, **kwargs)
+
+
+class ManualDDP(WrapperThatSyncs):
     """Data parallelism from scratch: what torch's DDP does for us, in plain Python.
 
     1. Start equal: broadcast rank 0's parameters and buffers to every rank.
@@ -2074,9 +2094,8 @@ class ManualDDP(nn.Module):
     """
 
     def __init__(self, module: nn.Module, d: Dist, bucket_mb: float, stats: CommStats) -> None:
-        super().__init__()
-        self.module, self.world_size, self.stats = module, d.world_size, stats
-        self.require_sync = True
+        super().__init__(module)
+        self.world_size, self.stats = d.world_size, stats
         with torch.no_grad():
             for t in [*module.parameters(), *module.buffers()]:
                 dist.broadcast(t, src=0)
@@ -2136,17 +2155,6 @@ class ManualDDP(nn.Module):
             for p, offset in zip(bucket.params, bucket.offsets, strict=True):
                 p.grad.copy_(bucket.flat[offset : offset + p.numel()].view_as(p))
             bucket.ready, bucket.arrival, bucket.wire = 0, None, None
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        self.require_sync = False
-        try:
-            yield
-        finally:
-            self.require_sync = True
-
-    def forward(self, *args: object, **kwargs: object) -> object:
-        return self.module(*args, **kwargs)
 
 
 def describe_gradient_sync(cfg: RunConfig, d: Dist) -> str:
@@ -2391,7 +2399,7 @@ class Unit:
     settled: list[tuple[nn.Parameter, torch.Tensor]] = field(default_factory=list)  # averaged shard gradients
 
 
-class ManualFSDP(nn.Module):
+class ManualFSDP(WrapperThatSyncs):
     """FSDP (ZeRO stage 3) from scratch: each rank stores 1/N of every weight, gradient and moment.
 
     A *unit* is a module whose parameters are made whole together. For each parameter p of a unit:
@@ -2415,9 +2423,8 @@ class ManualFSDP(nn.Module):
     def __init__(
         self, module: nn.Module, d: Dist, units: list[nn.Module], param_dtype: torch.dtype | None = None
     ) -> None:
-        super().__init__()
-        self.module, self.world, self.rank, self.param_dtype = module, d.world_size, d.rank, param_dtype
-        self.require_sync = True
+        super().__init__(module)
+        self.world, self.rank, self.param_dtype = d.world_size, d.rank, param_dtype
         with torch.no_grad():  # start equal, as DDP does
             for t in [*module.parameters(), *module.buffers()]:
                 dist.broadcast(t, src=0)
@@ -2567,17 +2574,6 @@ class ManualFSDP(nn.Module):
         for p in self.replicated:
             if p.grad is not None:
                 p.grad.div_(self.world)
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        self.require_sync = False
-        try:
-            yield
-        finally:
-            self.require_sync = True
-
-    def forward(self, *args: object, **kwargs: object) -> object:
-        return self.module(*args, **kwargs)
 
     def gradient_norm(self) -> torch.Tensor:
         """The 2-norm of the whole averaged gradient: each rank adds the squares of its shards
