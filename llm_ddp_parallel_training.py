@@ -7,7 +7,8 @@ One file, read top to bottom, follows one training run:
     3. Connect       the ranks join a process group (NCCL on Linux GPUs, Gloo on CPU)
     4. Shard         text or chat records become examples; a DistributedSampler hands every rank
                      a disjoint slice of each epoch
-    5. Models        a byte-level Transformer from scratch, or Qwen2.5 with LoRA adapters
+    5. Models        a byte-level Transformer from scratch, or a pretrained causal LM (Qwen2.5, Llama,
+                     Gemma, Mistral, Phi-3, ...) with LoRA adapters or every weight trained
     6. Sync          DDP all-reduces the gradients during backward (torch's, or one from scratch);
                      or the training state is sharded: ZeRO-1 (optimizer state), FSDP (everything)
     7. Check         replicas verified identical (--verify-sync); the learner's report (--inspect);
@@ -40,6 +41,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -72,6 +74,7 @@ if TYPE_CHECKING:  # type hints only: the tiny path never imports transformers
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent / "corpus.txt"
 TINY_FINAL = "tiny_transformer.pt"  # the trained tiny model, in OUTPUT_DIR
+# The pretrained path's outputs keep the names they had when it served Qwen alone: users' scripts read them.
 QWEN_FINAL = "qwen_lora"  # the trained adapters and tokenizer, in OUTPUT_DIR
 QWEN_FULL_FINAL = "qwen_full"  # --finetune full: the whole fine-tuned model and tokenizer, in OUTPUT_DIR
 IGNORE_INDEX = -100  # target id that cross-entropy skips: padding never counts in the loss
@@ -107,7 +110,7 @@ class RunConfig:
     n_heads: int
     n_layers: int
     dropout: float
-    # Qwen + LoRA
+    # pretrained model (--model hf): LoRA or full fine-tuning
     model_name_or_path: str
     lora_r: int
     lora_alpha: float
@@ -267,12 +270,17 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p = _Parser(
         description="Train a causal language model across processes with DistributedDataParallel: a byte-level "
         "Transformer from scratch (learn DDP on a CPU with --nproc 2), or LoRA adapters on Qwen2.5 or another "
-        "pretrained model (--model qwen) on your text or chat data, on 1-8 GPUs per machine and many machines.",
+        "pretrained model (--model hf; --model qwen is the same) on your text or chat data, on 1-8 GPUs per machine "
+        "and many machines.",
         formatter_class=_HelpFormatter,
     )
     g = p.add_argument_group("run")
     g.add_argument(
-        "--model", choices=["tiny", "qwen"], default="tiny", help="tiny: from scratch; qwen: pretrained + LoRA"
+        "--model",
+        choices=["tiny", "hf", "qwen"],
+        default="tiny",
+        help="tiny: a byte-level Transformer from scratch; hf: a pretrained causal LM from the Hugging Face "
+        "Hub or a local folder (--model-name-or-path), LoRA or full fine-tuning; qwen: the same as hf",
     )
     g.add_argument(
         "--corpus-file",
@@ -290,7 +298,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
         "--pack",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="pack examples into full rows (default: on for tiny, off for qwen); --no-pack: one padded example per row",
+        help="pack examples into full rows (default: on for tiny, off for hf); --no-pack: one padded example per row",
     )
 
     g.add_argument(
@@ -318,13 +326,20 @@ def build_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--n-layers", type=_positive_int, default=2, help="Transformer blocks")
     g.add_argument("--dropout", type=_probability, default=0.0, help="dropout probability")
 
-    g = p.add_argument_group("qwen + LoRA")
-    g.add_argument("--model-name-or-path", default="Qwen/Qwen2.5-0.5B-Instruct", help="hub name or local folder")
+    g = p.add_argument_group(PRETRAINED_GROUP)
+    g.add_argument(
+        "--model-name-or-path",
+        default="Qwen/Qwen2.5-0.5B-Instruct",
+        help="pretrained causal LM: hub name or local folder (Qwen2, Llama, Gemma, Mistral, Phi-3, ...)",
+    )
     g.add_argument("--lora-r", type=_positive_int, default=8, help="rank of the low-rank update B @ A")
     g.add_argument("--lora-alpha", type=_positive_float, default=16.0, help="update scale is alpha / r")
     g.add_argument("--lora-dropout", type=_probability, default=0.05, help="dropout on the adapter input")
     g.add_argument(
-        "--lora-targets", type=_name_list, default="q_proj,v_proj", help="linear layers to adapt, comma-separated"
+        "--lora-targets",
+        type=_name_list,
+        default="q_proj,v_proj",
+        help="linear layers to adapt, comma-separated; all-linear: every linear layer but the output head",
     )
     g.add_argument(
         "--dtype",
@@ -338,7 +353,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
         default="sdpa",
         help="attention kernel; flash_attention_2 needs CUDA and the flash-attn package",
     )
-    g.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub (Qwen2 needs none)")
+    g.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="allow model code from the hub (the families transformers knows need none)",
+    )
     g.add_argument(
         "--gradient-checkpointing", action="store_true", help="recompute activations in backward to save memory"
     )
@@ -363,9 +382,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
         default=0,
         help="passes over the training data; --max-steps still caps (0: --max-steps alone decides)",
     )
-    g.add_argument(
-        "--lr", type=_positive_float, default=None, help="peak learning rate (default: 3e-3 tiny, 2e-4 qwen)"
-    )
+    g.add_argument("--lr", type=_positive_float, default=None, help="peak learning rate (default: 3e-3 tiny, 2e-4 hf)")
     g.add_argument("--min-lr", type=_non_negative_float, default=None, help="end of the cosine decay (default: lr/10)")
     g.add_argument("--warmup-steps", type=_non_negative_int, default=20, help="linear warmup from 0 to --lr")
     g.add_argument("--weight-decay", type=_non_negative_float, default=0.01, help="weight decay")
@@ -502,23 +519,30 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> RunConfig:
     args = build_arg_parser().parse_args(argv)
+    args.model = MODEL_ALIASES.get(args.model, args.model)
+    if args.model == "tiny" and (given := pretrained_flags_given(argv)):
+        is_, it = ("is", "it") if len(given) == 1 else ("are", "them")
+        raise UsageError(
+            f"{', '.join(given)} {is_} for a pretrained model (--model hf); "
+            f"the tiny model would ignore {it}: add --model hf, or leave {it} out"
+        )
     if args.max_steps is None:  # 0: no cap, for --epochs to decide (see steps_for_epochs)
         args.max_steps = 0 if args.epochs else 600
-    if args.pack is None:  # byte windows cut anywhere; Qwen packs whole examples, kept apart, when asked
+    if args.pack is None:  # byte windows cut anywhere; a pretrained model packs whole examples, kept apart, when asked
         args.pack = args.model == "tiny"
     if (
         args.lr is None
     ):  # a pretrained model wants a far gentler step than one from scratch; all its weights gentler still
-        args.lr = (2e-5 if args.finetune == "full" else 2e-4) if args.model == "qwen" else 3e-3
+        args.lr = (2e-5 if args.finetune == "full" else 2e-4) if args.model == "hf" else 3e-3
     if args.min_lr is None:
         args.min_lr = args.lr / 10
     if args.min_lr > args.lr:
         raise UsageError(f"--min-lr {args.min_lr:g} is above --lr {args.lr:g}")
     cfg = RunConfig(**vars(args))
+    if ALL_LINEAR in cfg.lora_targets and len(cfg.lora_targets) > 1:
+        raise UsageError(f"--lora-targets {ALL_LINEAR} already names every linear layer: give it alone")
     if cfg.d_model % cfg.n_heads:
         raise UsageError(f"--d-model {cfg.d_model} is not divisible by --n-heads {cfg.n_heads}")
-    if cfg.finetune == "full" and cfg.model != "qwen":
-        raise UsageError("--finetune full is for a pretrained model (--model qwen); the tiny model trains every weight")
     if cfg.sharding == "full" and (why := cannot_shard_fully(cfg)):
         raise UsageError(why)
     try:  # found now, not after hours of training when the sample is printed
@@ -528,6 +552,28 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
             f"--prompt cannot be encoded as UTF-8 (character {e.start} is {e.object[e.start]!a})"
         ) from None
     return cfg
+
+
+# --model qwen, the first name of the pretrained path, stays a working spelling of --model hf.
+MODEL_ALIASES = {"qwen": "hf"}
+PRETRAINED_GROUP = "pretrained model (--model hf)"
+
+
+def pretrained_flags_given(argv: list[str] | None) -> list[str]:
+    """The flags of the pretrained-model group that the command line sets (its defaults do not count)."""
+    parser = build_arg_parser()
+    group = next(g for g in parser._action_groups if g.title == PRETRAINED_GROUP)
+    for action in parser._actions:  # what argument_default=SUPPRESS does: unset flags stay out of the result
+        action.default = argparse.SUPPRESS
+    given = vars(parser.parse_args(argv))
+
+    def spelled(a: argparse.Action) -> str:
+        value = given[a.dest]
+        if isinstance(value, bool):
+            return a.option_strings[0]
+        return f"{a.option_strings[0]} {','.join(value) if isinstance(value, tuple) else value}"
+
+    return [spelled(a) for a in group._group_actions if a.dest in given]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1118,34 +1164,70 @@ def tokenize_record(
     The user's own text is encoded with special-token parsing off: a reply that contains the
     characters "<|im_end|>" trains on those characters, and never ends its turn in mid-reply.
     Only the template's own markup becomes control tokens."""
-    encode = functools.partial(tokenizer.encode, add_special_tokens=False)
     eos = tokenizer.eos_token_id
     if record.text is not None:
         start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos
-        ids = [start, *encode(record.text, split_special_tokens=True), eos]
+        ids = [start, *tokenizer.encode(record.text, add_special_tokens=False, split_special_tokens=True), eos]
         return TokenSequence(ids, [False] + [True] * (len(ids) - 1))
     if record.prompt is not None:
-        prompt = encode(record.prompt, split_special_tokens=True)
-        completion = [*encode(record.completion, split_special_tokens=True), eos]
-        return TokenSequence(prompt + completion, [train_on_prompt] * len(prompt) + [True] * len(completion))
+        text = record.prompt + record.completion
+        completion = [(len(record.prompt), len(text))]
+        seq = encode_with_targets(text, completion, [(0, len(text))], tokenizer)
+        return TokenSequence([*seq.ids, eos], [train_on_prompt or t for t in seq.is_target] + [True])
     try:
         full = render_chat(record.messages, tokenizer)
         # Every token a target needs no mask, so any template will do for --train-on-prompt.
         targets = [] if train_on_prompt else target_ranges(chat_segments(record.messages, tokenizer, masking))
-        contents = message_ranges(record.messages, tokenizer, masking, full)
-        cuts = sorted({0, len(full), *itertools.chain(*targets, *contents)})
-        ids, is_target = [], []
-        for a, b in itertools.pairwise(cuts):
-            piece = encode(full[a:b], split_special_tokens=any(s <= a < e for s, e in contents))
-            ids += piece
-            is_target += [train_on_prompt or any(s <= a < e for s, e in targets)] * len(piece)
-        return TokenSequence(ids, is_target)
+        users = message_ranges(record.messages, tokenizer, masking, full)
+        seq = encode_with_targets(full, targets, users, tokenizer)
+        return TokenSequence(seq.ids, [train_on_prompt or t for t in seq.is_target])
     except UsageError as e:
         raise UsageError(f"{record.source or 'a conversation'}: {e}") from None
     except Exception as e:  # the template's own refusal (roles must alternate, ...) or a rendering error
         raise UsageError(
             f"{record.source or 'a conversation'}: the chat template cannot render it: {first_line(e)}"
         ) from None
+
+
+def encode_with_targets(
+    text: str,
+    targets: list[tuple[int, int]],
+    users: list[tuple[int, int]],
+    tokenizer: PreTrainedTokenizerBase,
+) -> TokenSequence:
+    """`text` encoded whole, as the model meets it when it is prompted (apply_chat_template
+    encodes the rendering whole), with each token a target when any of its characters lies in a
+    `targets` range. Encoding it in pieces would not give the same tokens: a SentencePiece
+    tokenizer (Llama 2, Mistral, Phi-3) puts a "▁" before every piece, and Mistral's reply token
+    "▁reply" carries the template's separating space into the reply, so it is the reply's.
+
+    A special token found inside `users` (the ranges that hold the user's own text) was typed,
+    not put there by the template: it is encoded again as plain characters."""
+    if not getattr(tokenizer, "is_fast", True):  # offsets come from the tokenizers library alone
+        raise UsageError("chat and prompt-completion records need a fast tokenizer (with character offsets), "
+                         f"and this model's is a slow {type(tokenizer).__name__}; text records do not")  # fmt: skip
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(encoded["input_ids"])
+    spans = np.array(encoded["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+    a, b = spans[:, 0], np.maximum(spans[:, 1], spans[:, 0] + 1)  # a token of no characters: where it stands
+    in_targets, in_users = characters_within(targets, len(text)), characters_within(users, len(text))
+    is_target = (in_targets[b] > in_targets[a]).tolist()
+    specials = {tokenizer.convert_tokens_to_ids(t) for t in special_tokens(tokenizer)}
+    typed = [i for i, token in enumerate(ids) if token in specials and in_users[b[i]] - in_users[a[i]] == b[i] - a[i]]
+    for i in reversed(typed):
+        piece = tokenizer.encode(text[a[i] : b[i]], add_special_tokens=False, split_special_tokens=True)
+        ids[i : i + 1], is_target[i : i + 1] = piece, [is_target[i]] * len(piece)
+    return TokenSequence(ids, is_target)
+
+
+def characters_within(ranges: list[tuple[int, int]], n: int) -> np.ndarray:
+    """c[j]: how many of text's first j characters (of n) lie in `ranges`, so that characters a..b-1
+    hold one when c[b] > c[a], and all when c[b] - c[a] == b - a."""
+    edges = np.zeros(n + 2, dtype=np.int64)
+    for start, end in ranges:
+        edges[start] += 1
+        edges[end] -= 1
+    return np.concatenate([[0], np.cumsum(np.cumsum(edges) > 0)])
 
 
 def target_ranges(segments: list[tuple[str, bool]]) -> list[tuple[int, int]]:
@@ -1206,8 +1288,11 @@ class ChatMasking:
 def chat_masking(tokenizer: PreTrainedTokenizerBase) -> ChatMasking:
     if not getattr(tokenizer, "chat_template", None):
         raise UsageError("chat records need a chat template, and this model's tokenizer has none")
-    specials = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
-    return ChatMasking(tuple(sorted(specials, key=len, reverse=True)))
+    return ChatMasking(tuple(sorted(special_tokens(tokenizer), key=len, reverse=True)))
+
+
+def special_tokens(tokenizer: PreTrainedTokenizerBase) -> set[str]:
+    return {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
 
 
 def chat_segments(
@@ -1216,11 +1301,14 @@ def chat_segments(
     """The conversation rendered by the tokenizer's own chat template, cut into (text, is_target).
 
     Targets are each assistant reply and the special token that closes its turn (Qwen's
-    <|im_end|>): a model that never learned to emit it never stops. The mask comes from the
-    template itself, not from {% generation %} markers (Qwen2.5's stock template has none, and
-    transformers' return_assistant_tokens_mask is then all zeros, transformers#34172): render
-    the conversation up to reply i with the generation prompt, then through reply i, and the
-    reply is what the second adds. A template for which that does not hold is refused.
+    <|im_end|>, Llama 3's <|eot_id|>, Mistral's </s>): a model that never learned to emit it never
+    stops. The mask comes from the template itself, not from {% generation %} markers (Qwen2.5's
+    stock template has none, and transformers' return_assistant_tokens_mask is then all zeros,
+    transformers#34172): render the conversation up to reply i with the generation prompt (what
+    the model is shown when asked to reply), then through reply i; the second extends the first,
+    and what it appends holds the reply, closed by a special token. Text the template puts before
+    the reply (Mistral's separating space) is prompt; whitespace it trims off a reply (Llama 3,
+    Gemma) is not part of the target. A template for which that does not hold is refused.
     """
 
     def render(upto: int, generation_prompt: bool) -> str:
@@ -1237,16 +1325,41 @@ def chat_segments(
         if i == 0:
             raise refuse("the conversation opens with an assistant turn, which nothing prompts")
         before, through = render(i, True), render(i + 1, False)
-        start, end = len(before), len(before) + len(content)
-        if not (full.startswith(through) and through.startswith(before) and through[start:end] == content):
-            raise refuse("rendering a conversation one more turn does not just append that turn")
-        close = next((t for t in masking.end_tokens if through.startswith(t, end)), None)
-        if close is None:
-            raise refuse("no special token closes an assistant turn")
-        segments += [(full[done:start], False), (full[start : end + len(close)], True)]
-        done = end + len(close)
+        if not through.startswith(before):
+            n = next(j for j, (x, y) in enumerate(zip(before + "\0", through + "\1", strict=False)) if x != y)
+            raise refuse(f"the generation prompt goes on {clip(before[n:], 60)!r} where the conversation through "
+                         f"the reply goes on {clip(through[n:], 60)!r}")  # fmt: skip
+        appended = through[len(before) :]
+        found = find_reply(appended, content, masking)
+        if found is None:
+            raise refuse(f"for the reply {clip(content, 60)!r} the template appends {clip(appended, 120)!r}, "
+                         "which does not hold it closed by a special token")  # fmt: skip
+        start, end = len(before) + found[0], len(before) + found[1]
+        if not full.startswith(through[:end]):
+            raise refuse(f"the whole conversation renders reply {clip(content, 60)!r} differently from the "
+                         "conversation that ends with it")  # fmt: skip
+        segments += [(full[done:start], False), (full[start:end], True)]
+        done = end
     segments.append((full[done:], False))
     return [(text, target) for text, target in segments if text]
+
+
+def find_reply(appended: str, content: str, masking: ChatMasking) -> tuple[int, int] | None:
+    """Where the reply lies in the text the template appends for it, as it is or with the
+    whitespace a template trims removed, and a special token closing it: (start, end of that token)."""
+    for shown in dict.fromkeys((content, content.strip(), content.rstrip(), content.lstrip())):
+        at = appended.find(shown)
+        while at >= 0:
+            close = next((t for t in masking.end_tokens if appended.startswith(t, at + len(shown))), None)
+            if close is not None:
+                return at, at + len(shown) + len(close)
+            at = appended.find(shown, at + 1)
+    return None
+
+
+def clip(text: str, n: int) -> str:
+    """At most |n| characters of text: the first n, or for negative n the last."""
+    return text[:n] if n > 0 else text[n:]
 
 
 def encode_held_out(records: list[Record], tokenizer: PreTrainedTokenizerBase, cfg: RunConfig) -> Examples:
@@ -1256,9 +1369,14 @@ def encode_held_out(records: list[Record], tokenizer: PreTrainedTokenizerBase, c
         raise UsageError(f"held-out records (--val-fraction {cfg.val_fraction}): {e}") from None
 
 
-def turn_closing_token(tokenizer: PreTrainedTokenizerBase) -> int:
-    """The token id that closes an assistant turn in this chat template (Qwen: <|im_end|>)."""
-    probe = chat_segments((("user", "?"), ("assistant", "!")), tokenizer, chat_masking(tokenizer))
+def turn_closing_token(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The token id that closes an assistant turn in this chat template (Qwen: <|im_end|>); None
+    for a template that cannot be masked (trained with --train-on-prompt): sampling then stops
+    at EOS alone."""
+    try:
+        probe = chat_segments((("user", "?"), ("assistant", "!")), tokenizer, chat_masking(tokenizer))
+    except UsageError:
+        return None
     reply = next(text for text, target in probe if target)
     return tokenizer.convert_tokens_to_ids(reply.removeprefix("!"))
 
@@ -1342,7 +1460,7 @@ def show_examples(cfg: RunConfig, d: Dist, records: list[Record]) -> None:
     What to check before spending GPU hours: the template's rendering, that the replies (and
     the token that ends each turn) are targets and nothing else is, and what truncation keeps.
     """
-    if cfg.model == "qwen":
+    if cfg.model == "hf":
         tokenizer = load_tokenizer(cfg, resolve_model_files(cfg, d))
         masking = chat_masking(tokenizer) if any(r.messages for r in records) else None
         sequences = [tokenize_record(r, tokenizer, cfg.train_on_prompt, masking) for r in records]
@@ -1363,8 +1481,11 @@ def show_examples(cfg: RunConfig, d: Dist, records: list[Record]) -> None:
         note = f", cut from {len(seq.ids)} to --seq-len {cfg.seq_len} + 1" if len(seq.ids) > len(ids) else ""
         note += "; dropped: no target left" if not any(is_target) else ""
         say(f"--- example {number}: {len(ids)} tokens, {sum(is_target)} targets{note}")
-        runs = [list(run) for _, run in itertools.groupby(zip(ids, is_target, strict=True), key=lambda p: p[1])]
-        say("".join(f"[[{decode([i for i, _ in run])}]]" if run[0][1] else decode([i for i, _ in run]) for run in runs))
+        # Each run as it reads within the whole: decoded alone, a SentencePiece run would lose its leading space.
+        ends = [*itertools.accumulate(len(list(run)) for _, run in itertools.groupby(is_target))]
+        texts = [decode(ids[:end]) for end in ends]
+        runs = [(b[len(a) :], is_target[end - 1]) for a, b, end in zip(["", *texts], texts, ends, strict=False)]
+        say("".join(f"[[{text}]]" if target else text for text, target in runs))
 
 
 def split_lines(lines: list, val_fraction: float, seed: int) -> tuple[list, list]:
@@ -1414,7 +1535,7 @@ def collate_for(cfg: RunConfig) -> Callable[[list], tuple[torch.Tensor, ...]]:
     """How a micro-batch is stacked. Under sdpa and eager, packed rows stay rows: transformers builds
     each row a block-diagonal causal mask from its position_ids, and one long row would make that
     mask (and attention's work) grow with the square of the whole micro-batch."""
-    flash = cfg.model == "qwen" and cfg.pack and cfg.attn_implementation.startswith("flash_attention")
+    flash = cfg.model == "hf" and cfg.pack and cfg.attn_implementation.startswith("flash_attention")
     return flatten_rows if flash else trim_padding
 
 
@@ -1658,7 +1779,7 @@ def build_tiny_kit(cfg: RunConfig, d: Dist, lines: list[str], val_lines: list[st
     )
 
 
-def build_qwen_kit(cfg: RunConfig, d: Dist, records: list[Record], val_records: list[Record]) -> ModelKit:
+def build_pretrained_kit(cfg: RunConfig, d: Dist, records: list[Record], val_records: list[Record]) -> ModelKit:
     """A pretrained causal LM (Qwen2.5 by default) with LoRA adapters, of which only the adapters
     train; or, with --finetune full, the model itself, every weight trained."""
     dtype = choose_weights_dtype(cfg, d)
@@ -1704,7 +1825,7 @@ def build_qwen_kit(cfg: RunConfig, d: Dist, records: list[Record], val_records: 
         encode = functools.partial(tokenizer.encode, add_special_tokens=False)
         if chat:
             prefix = encode(render_chat((("user", prompt),), tokenizer, prompt=True))
-            stop = [tokenizer.eos_token_id, end_of_turn]
+            stop = [t for t in (tokenizer.eos_token_id, end_of_turn) if t is not None]
         else:  # text was trained after a start token; a prompt-completion prompt had none
             prefix, stop = ([] if completions else [start]) + encode(prompt), [tokenizer.eos_token_id]
         ids = torch.tensor([prefix], device=d.device)
@@ -1778,7 +1899,7 @@ def add_lora(cfg: RunConfig, model: nn.Module) -> nn.Module:
         r=cfg.lora_r,
         lora_alpha=cfg.lora_alpha,
         lora_dropout=cfg.lora_dropout,
-        target_modules=list(cfg.lora_targets),
+        target_modules=ALL_LINEAR if cfg.lora_targets == (ALL_LINEAR,) else list(cfg.lora_targets),
         bias="none",
         task_type="CAUSAL_LM",
     )
@@ -1861,7 +1982,7 @@ def head_loss_sum(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) 
 def choose_weights_dtype(cfg: RunConfig, d: Dist) -> torch.dtype:
     on_gpu = d.device.type == "cuda"
     if cfg.dtype == "auto":
-        # Qwen2 was trained in bf16; fp16 overflows in it, so auto never picks fp16. Trained
+        # Qwen2, Llama and Gemma were trained in bf16; fp16 overflows in them: auto never picks it. Trained
         # weights stay fp32 (autocast computes in bf16): at a fine-tuning lr most AdamW updates
         # are smaller than half a bf16 step of the weight, and would round away.
         if cfg.finetune == "full":
@@ -1949,8 +2070,20 @@ def load_pretrained(cfg: RunConfig, d: Dist, dtype: torch.dtype) -> tuple[PreTra
             folder, dtype=dtype, attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code
         )
     except (OSError, ValueError, ImportError) as e:
-        raise UsageError(f"cannot load model from {folder}: {first_line(e)}") from None
+        raise UsageError(unsupported_attention(cfg, e) or f"cannot load model from {folder}: {first_line(e)}") from None
     return tokenizer, model
+
+
+def unsupported_attention(cfg: RunConfig, error: BaseException) -> str | None:
+    """transformers refuses an attention kernel a model lacks (Gemma2 and sdpa) with advice in
+    its own words (attn_implementation="eager"): say it in this script's."""
+    advised = re.search(r'attn_implementation="(\w+)"', str(error))
+    if "does not support" not in str(error) or advised is None:
+        return None
+    return (
+        f"{first_line(error).split(' does not support')[0]} does not support --attn-implementation "
+        f"{cfg.attn_implementation}: run with --attn-implementation {advised.group(1)}"
+    )
 
 
 def first_line(error: BaseException) -> str:
@@ -1969,13 +2102,25 @@ def attention_width(config: object) -> int:
     return config.num_attention_heads * head_dim
 
 
+ALL_LINEAR = "all-linear"  # PEFT's own spelling: every linear layer but the output head
+
+
 def check_lora_targets(model: nn.Module, targets: tuple[str, ...]) -> None:
-    linear_names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
-    missing = [t for t in targets if t not in linear_names]
+    """Every name in --lora-targets names linear layers of this model; else one line that lists
+    them, marks the output head (adapting it is rarely wanted, and all-linear leaves it out),
+    and suggests the fused projections of models that have them (Phi-3: qkv_proj, gate_up_proj)."""
+    if targets == (ALL_LINEAR,):
+        return
+    head = causal_lm(model).get_output_embeddings()
+    linear = {name.rsplit(".", 1)[-1]: m is head for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    missing = [t for t in targets if t not in linear]
     if missing:
+        listed = ", ".join(f"{name} (the output head)" if is_head else name for name, is_head in sorted(linear.items()))
+        fused = [name for name in ("qkv_proj", "gate_up_proj") if name in linear]
+        hint = f"; this model fuses projections ({', '.join(fused)}): try --lora-targets {fused[0]}" if fused else ""
         raise UsageError(
-            f"--lora-targets {','.join(missing)} not found in the model; its linear layers are: "
-            + ", ".join(linear_names)
+            f"--lora-targets {','.join(missing)} not found in the model; its linear layers are: {listed}{hint}, "
+            f"or {ALL_LINEAR} for every one but the output head"
         )
 
 
@@ -3031,7 +3176,7 @@ def warn_if_bf16_is_emulated(cfg: RunConfig, d: Dist) -> None:
     """bf16 on a CPU without bf16 instructions (AVX2-only x86, say) is emulated, and nothing else
     would say so: on a 2-core AVX2-only AMD EPYC, one rank of the tiny model (d 512) trained at 96
     tokens/s in bf16 against about 3,300 in fp32."""
-    wants_bf16 = cfg.precision == "bf16" or (cfg.model == "qwen" and cfg.dtype == "bfloat16")
+    wants_bf16 = cfg.precision == "bf16" or (cfg.model == "hf" and cfg.dtype == "bfloat16")
     if d.is_main and d.device.type == "cpu" and wants_bf16 and cpu_emulates_bf16():
         say(
             f"[run] warning: this CPU has no bf16 instructions: bf16 is emulated here, {cpu_bf16_slowdown():.0f}x "
@@ -4217,7 +4362,7 @@ def prepare_metrics_file(cfg: RunConfig, start_step: int) -> None:
 
 # Full training state: everything a resumed run needs to continue bit for bit.
 #
-#   OUTPUT_DIR/checkpoints/step_00000040/state.pt       weights (tiny) or adapters (qwen), optimizer,
+#   OUTPUT_DIR/checkpoints/step_00000040/state.pt       weights (tiny) or adapters (hf), optimizer,
 #                                                      progress, every rank's RNG, the run's settings
 #   OUTPUT_DIR/checkpoints/step_00000040/manifest.json  SHA-256 of state.pt, written last
 #
@@ -4628,7 +4773,9 @@ def describe_schedule_change(cfg: RunConfig, saved_max_steps: int, step: int) ->
 
 
 def check_same_run(state: dict, settings: dict, folder: Path) -> None:
-    saved = state.get("settings", {})
+    saved = dict(state.get("settings", {}))
+    if "model" in saved:  # a checkpoint of --model qwen resumes under --model hf, its new name
+        saved["model"] = MODEL_ALIASES.get(saved["model"], saved["model"])
     unrecorded = [k for k in settings if k not in saved]
     if unrecorded:  # written by an earlier version of this script, before these were checked
         say(f"[resume] {folder} does not record {', '.join(unrecorded)}: taking this command's values")
@@ -4726,13 +4873,13 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
     warn_if_bf16_is_emulated(cfg, d)
     records, fmt = read_records(cfg.corpus_file, cfg.data_format)
     if cfg.model == "tiny" and fmt != "text":
-        raise UsageError(f"{cfg.corpus_file} holds {fmt} records; the tiny byte model trains on text: use --model qwen")
+        raise UsageError(f"{cfg.corpus_file} holds {fmt} records; the tiny byte model trains on text: use --model hf")
     if cfg.show_examples:
         show_examples(cfg, d, records[: cfg.show_examples])
         return
     train_records, val_records = split_lines(records, cfg.val_fraction, cfg.seed)
-    if cfg.model == "qwen":
-        kit = build_qwen_kit(cfg, d, train_records, val_records)
+    if cfg.model == "hf":
+        kit = build_pretrained_kit(cfg, d, train_records, val_records)
     else:
         kit = build_tiny_kit(cfg, d, [r.text for r in train_records], [r.text for r in val_records])
     seed_dropout_per_rank(cfg, d)

@@ -245,7 +245,7 @@ def test_the_lean_head_gives_the_full_logits_loss_and_gradients(tiny_qwen, chat_
     cfg = t.parse_args(qwen_args(tiny_qwen, tmp_path, "--seq-len", "128", *(["--pack"] if pack else [])))
     d = t.setup_distributed(cfg)  # one plain process
     records, _ = t.read_records(t.Path(chat_file), "auto")
-    kit = t.build_qwen_kit(cfg, d, records[:24], [])
+    kit = t.build_pretrained_kit(cfg, d, records[:24], [])
     kit.model.eval()  # LoRA dropout off: both paths must see the same network
     inputs, targets, *positions = t.trim_padding([kit.train[i] for i in range(4)])
     params = [p for p in kit.model.parameters() if p.requires_grad]
@@ -277,14 +277,24 @@ def test_a_conversation_that_cannot_be_used_is_one_line_naming_its_record(tiny_q
 
 
 def test_train_on_prompt_needs_no_mask_so_any_template_will_do(tokenizer):
+    plain = copy.deepcopy(tokenizer)  # no special token closes a turn: nothing marks where a reply ends
+    plain.chat_template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                           "{% if add_generation_prompt %}assistant: {% endif %}")  # fmt: skip
+    record = t.Record(messages=(("user", "Hi"), ("assistant", "ok")), source="chat.jsonl:7")
+    with pytest.raises(t.UsageError, match=re.escape("chat.jsonl:7: the chat template cannot be masked")):
+        t.tokenize_record(record, plain, False, t.chat_masking(plain))
+    seq = t.tokenize_record(record, plain, True, t.chat_masking(plain))
+    assert all(seq.is_target) and plain.decode(seq.ids) == "user: Hi\nassistant: ok\n"
+    assert t.turn_closing_token(plain) is None, "sampling stops at EOS alone"
+
+
+def test_a_template_that_trims_replies_targets_the_reply_as_it_renders(tokenizer):
     trimming = copy.deepcopy(tokenizer)
     trimming.chat_template = tokenizer.chat_template.replace("message.content + '<|im_end|>'",
                                                              "message.content | trim + '<|im_end|>'")  # fmt: skip
-    spaced = t.Record(messages=(("user", "Hi"), ("assistant", "ok  ")), source="chat.jsonl:7")
-    with pytest.raises(t.UsageError, match=re.escape("chat.jsonl:7: the chat template cannot be masked")):
-        t.tokenize_record(spaced, trimming, False, t.chat_masking(trimming))
-    seq = t.tokenize_record(spaced, trimming, True, t.chat_masking(trimming))
-    assert all(seq.is_target) and trimming.decode(seq.ids).endswith("ok<|im_end|>\n")
+    spaced = t.Record(messages=(("user", "Hi"), ("assistant", "ok  \n")), source="chat.jsonl:7")
+    seq = t.tokenize_record(spaced, trimming, False, t.chat_masking(trimming))
+    assert trimming.decode([i for i, y in zip(seq.ids, seq.is_target, strict=True) if y]) == "ok<|im_end|>"
 
 
 def test_eager_attention_trains_and_flash_attention_on_cpu_is_one_line(tiny_qwen, tmp_path):

@@ -80,7 +80,7 @@ def test_saved_adapter_reloads_with_the_trained_logits_and_the_base_is_untouched
 
     cfg = t.parse_args(qwen_args(tiny_qwen, tmp_path, "--max-steps", "4"))
     d = t.setup_distributed(cfg)  # one plain process
-    kit = t.build_qwen_kit(cfg, d, [t.Record(text=line) for line in corpus_lines], [])
+    kit = t.build_pretrained_kit(cfg, d, [t.Record(text=line) for line in corpus_lines], [])
     base_before = {k: v.clone() for k, v in kit.model.named_parameters() if not v.requires_grad}
     t.train(cfg, d, kit, resume=None, settings=t.run_settings(cfg, d, kit))
     kit.save_final(kit.model, 4)
@@ -113,7 +113,8 @@ def test_lora_targets_the_model_lacks_are_named_with_the_layers_it_has(tiny_qwen
     run = launch(qwen_args(tiny_qwen, tmp_path, "--lora-targets", "q_proj,query_key_value"))
     assert run.returncode == 2
     assert "--lora-targets query_key_value not found" in run.stderr
-    assert "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj" in run.stderr
+    # The output head is marked: pasting the list would adapt it too, which all-linear does not.
+    assert "down_proj, gate_proj, k_proj, lm_head (the output head), o_proj, q_proj, up_proj, v_proj" in run.stderr
 
 
 def test_lora_resume_after_a_killed_worker_is_bit_exact_with_dropout_on(tiny_qwen, tmp_path):

@@ -57,7 +57,7 @@ def test_the_first_screen_names_both_users_with_one_command_each():
     learner, practitioner = (commands(block) for block in blocks(first_screen, "bash"))
     assert learner == ["python llm_ddp_parallel_training.py --cpu --nproc 2"]
     assert len(practitioner) == 1 and practitioner[0].startswith("torchrun ")
-    assert "--model qwen" in practitioner[0] and "--corpus-file chat.jsonl" in practitioner[0]
+    assert "--model hf" in practitioner[0] and "--corpus-file chat.jsonl" in practitioner[0]
     assert "LoRA" in first_screen and "CPU" in first_screen and "GPU" in first_screen
 
 

@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     repo = Path(__file__).resolve().parents[1]
     parser = argparse.ArgumentParser(
         description="Build a tiny random Qwen2 model with a BPE tokenizer and Qwen2.5's chat template, "
-        "offline: a stand-in for --model-name-or-path to try the --model qwen path without a download.",
+        "offline: a stand-in for --model-name-or-path to try the --model hf path without a download.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="the model folder to write")
