@@ -77,6 +77,7 @@ TINY_FINAL = "tiny_transformer.pt"  # the trained tiny model, in OUTPUT_DIR
 # The pretrained path's outputs keep the names they had when it served Qwen alone: users' scripts read them.
 QWEN_FINAL = "qwen_lora"  # the trained adapters and tokenizer, in OUTPUT_DIR
 QWEN_FULL_FINAL = "qwen_full"  # --finetune full: the whole fine-tuned model and tokenizer, in OUTPUT_DIR
+ALL_LINEAR = "all-linear"  # --lora-targets in PEFT's own spelling: every linear layer but the output head
 IGNORE_INDEX = -100  # target id that cross-entropy skips: padding never counts in the loss
 NEWLINE = 10  # the byte that opens and closes every line for the byte-level model
 
@@ -264,6 +265,11 @@ def _name_list(text: str) -> tuple[str, ...]:
     if not names:
         raise argparse.ArgumentTypeError("must name at least one layer, e.g. q_proj,v_proj")
     return names
+
+
+# --model qwen, the first name of the pretrained path, stays a working spelling of --model hf.
+MODEL_ALIASES = {"qwen": "hf"}
+PRETRAINED_GROUP = "pretrained model (--model hf)"
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -523,7 +529,8 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     if args.model == "tiny" and (given := pretrained_flags_given(argv)):
         is_, it = ("is", "it") if len(given) == 1 else ("are", "them")
         raise UsageError(
-            f"{', '.join(given)} {is_} for a pretrained model (--model hf); "
+            f"{' and '.join([', '.join(given[:-1]), given[-1]] if len(given) > 1 else given)} {is_} for a "
+            "pretrained model (--model hf); "
             f"the tiny model would ignore {it}: add --model hf, or leave {it} out"
         )
     if args.max_steps is None:  # 0: no cap, for --epochs to decide (see steps_for_epochs)
@@ -554,11 +561,6 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     return cfg
 
 
-# --model qwen, the first name of the pretrained path, stays a working spelling of --model hf.
-MODEL_ALIASES = {"qwen": "hf"}
-PRETRAINED_GROUP = "pretrained model (--model hf)"
-
-
 def pretrained_flags_given(argv: list[str] | None) -> list[str]:
     """The flags of the pretrained-model group that the command line sets (its defaults do not count)."""
     parser = build_arg_parser()
@@ -571,7 +573,9 @@ def pretrained_flags_given(argv: list[str] | None) -> list[str]:
         value = given[a.dest]
         if isinstance(value, bool):
             return a.option_strings[0]
-        return f"{a.option_strings[0]} {','.join(value) if isinstance(value, tuple) else value}"
+        if isinstance(value, tuple):
+            value = ",".join(value)
+        return f"{a.option_strings[0]} {format(value, 'g') if isinstance(value, float) else value}"
 
     return [spelled(a) for a in group._group_actions if a.dest in given]
 
@@ -1178,7 +1182,7 @@ def tokenize_record(
         full = render_chat(record.messages, tokenizer)
         # Every token a target needs no mask, so any template will do for --train-on-prompt.
         targets = [] if train_on_prompt else target_ranges(chat_segments(record.messages, tokenizer, masking))
-        users = message_ranges(record.messages, tokenizer, masking, full)
+        users = message_ranges(record.messages, tokenizer, masking, full, refuse=not train_on_prompt)
         seq = encode_with_targets(full, targets, users, tokenizer)
         return TokenSequence(seq.ids, [train_on_prompt or t for t in seq.is_target])
     except UsageError as e:
@@ -1209,15 +1213,34 @@ def encode_with_targets(
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(encoded["input_ids"])
     spans = np.array(encoded["offset_mapping"], dtype=np.int64).reshape(-1, 2)
-    a, b = spans[:, 0], np.maximum(spans[:, 1], spans[:, 0] + 1)  # a token of no characters: where it stands
+    a, b = spans[:, 0].copy(), np.maximum(spans[:, 1], spans[:, 0] + 1)  # a token of no characters: where it stands
+    specials = {tokenizer.convert_tokens_to_ids(t): t for t in special_tokens(tokenizer)}
+    for i in (i for i, token in enumerate(ids) if token in specials):
+        # Just its own characters: a token that strips the whitespace beside it (Phi-3's <|assistant|>)
+        # has offsets that take it in, and that whitespace may open the reply.
+        at = text.find(specials[ids[i]], a[i], b[i])
+        a[i], b[i] = (at, at + len(specials[ids[i]])) if at >= 0 else (a[i], b[i])
     in_targets, in_users = characters_within(targets, len(text)), characters_within(users, len(text))
     is_target = (in_targets[b] > in_targets[a]).tolist()
-    specials = {tokenizer.convert_tokens_to_ids(t) for t in special_tokens(tokenizer)}
     typed = [i for i, token in enumerate(ids) if token in specials and in_users[b[i]] - in_users[a[i]] == b[i] - a[i]]
     for i in reversed(typed):
-        piece = tokenizer.encode(text[a[i] : b[i]], add_special_tokens=False, split_special_tokens=True)
+        piece = mid_text_encoder(tokenizer).encode(text[a[i] : b[i]], add_special_tokens=False).ids
         ids[i : i + 1], is_target[i : i + 1] = piece, [is_target[i]] * len(piece)
     return TokenSequence(ids, is_target)
+
+
+@functools.lru_cache(maxsize=4)
+def mid_text_encoder(tokenizer: PreTrainedTokenizerBase) -> object:
+    """The tokenizer's own pipeline (a tokenizers.Tokenizer) with special tokens read as ordinary
+    characters, as in the middle of a text: encoded alone, a SentencePiece-style tokenizer
+    (Mistral, Phi-3) would put a "▁" before them, a space the user never typed."""
+    from tokenizers import Tokenizer, pre_tokenizers
+
+    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    backend.encode_special_tokens = True
+    if isinstance(backend.pre_tokenizer, pre_tokenizers.Metaspace):
+        backend.pre_tokenizer.prepend_scheme = "never"
+    return backend
 
 
 def characters_within(ranges: list[tuple[int, int]], n: int) -> np.ndarray:
@@ -1241,7 +1264,11 @@ def target_ranges(segments: list[tuple[str, bool]]) -> list[tuple[int, int]]:
 
 
 def message_ranges(
-    turns: tuple[tuple[str, str], ...], tokenizer: PreTrainedTokenizerBase, masking: ChatMasking, full: str
+    turns: tuple[tuple[str, str], ...],
+    tokenizer: PreTrainedTokenizerBase,
+    masking: ChatMasking,
+    full: str,
+    refuse: bool = True,
 ) -> list[tuple[int, int]]:
     """Where each message's own text lies in `full`, the template's rendering of the conversation.
 
@@ -1249,7 +1276,8 @@ def message_ranges(
     where each message goes; `full` must be that text with each message put back (as it is, or
     trimmed, as some templates do). If the template changes messages in other ways, [] is
     returned when no message spells a special token (nothing to keep apart), else the record is
-    refused: its text could not be kept from becoming control tokens.
+    refused: its text could not be kept from becoming control tokens. (Unless refuse is False:
+    --train-on-prompt trains on any template that renders, and every token is a target anyway.)
     """
     marks = [f"\ue000{i}\ue001" for i in range(len(turns))]  # private-use characters: never in a template
     marked = render_chat(tuple((role, mark) for (role, _), mark in zip(turns, marks, strict=True)), tokenizer)
@@ -1265,7 +1293,7 @@ def message_ranges(
     if len(ranges) == len(turns) and full[at:] == rest:
         return ranges
     spelled = sorted({t for _, content in turns for t in masking.end_tokens if t in content})
-    if spelled:
+    if spelled and refuse:
         raise UsageError(
             f"its text spells {', '.join(spelled)}, and the chat template changes message text in a way that "
             "cannot be followed, so that text could not be kept from becoming control tokens"
@@ -1358,8 +1386,8 @@ def find_reply(appended: str, content: str, masking: ChatMasking) -> tuple[int, 
 
 
 def clip(text: str, n: int) -> str:
-    """At most |n| characters of text: the first n, or for negative n the last."""
-    return text[:n] if n > 0 else text[n:]
+    """The first n characters of text, for a message; "..." says where it was cut."""
+    return text if len(text) <= n else text[:n] + "..."
 
 
 def encode_held_out(records: list[Record], tokenizer: PreTrainedTokenizerBase, cfg: RunConfig) -> Examples:
@@ -2038,7 +2066,7 @@ def check_attention_kernel(cfg: RunConfig, d: Dist) -> None:
     if cfg.attn_implementation != "flash_attention_2":
         return
     if d.device.type != "cuda":
-        raise UsageError("--attn-implementation flash_attention_2 needs a CUDA GPU; use sdpa (the default)")
+        raise UsageError("--attn-implementation flash_attention_2 needs a CUDA GPU; use sdpa (the default) or eager")
     if importlib.util.find_spec("flash_attn") is None:
         raise UsageError(
             "--attn-implementation flash_attention_2 needs the flash-attn package (pip install flash-attn)"
@@ -2100,9 +2128,6 @@ def attention_width(config: object) -> int:
     """Query heads x head size: the width of attention's score and mixing matmuls."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return config.num_attention_heads * head_dim
-
-
-ALL_LINEAR = "all-linear"  # PEFT's own spelling: every linear layer but the output head
 
 
 def check_lora_targets(model: nn.Module, targets: tuple[str, ...]) -> None:

@@ -13,7 +13,7 @@ import torch
 from conftest import TINY, assert_ok, launch
 from test_chat_data import write_jsonl
 from test_qwen_lora import saved_adapter
-from tiny_families import FAMILIES, build_tiny_family
+from tiny_families import FAMILIES, MISTRAL_V03_TEMPLATE, build_tiny_family
 
 import llm_ddp_parallel_training as t
 
@@ -86,7 +86,9 @@ def test_show_examples_targets_exactly_each_reply_and_the_token_that_ends_its_tu
     assert_ok(run)
     body = run.stdout.split("--- example 1: ")[1].split("\n", 1)[1].removesuffix("\n")
     assert re.findall(r"\[\[(.*?)\]\]", body, re.S) == EXPECTED_TARGETS[name]
-    rendered = tokenizer_of(model_dir).apply_chat_template(conversation(name), tokenize=False)
+    tokenizer = tokenizer_of(model_dir)
+    # The text of the template's own tokens (Phi-3's <|end|> takes in the newline after it).
+    rendered = tokenizer.decode(tokenizer.apply_chat_template(conversation(name), tokenize=True)["input_ids"])
     assert body.replace("[[", "").replace("]]", "") == rendered, "nothing missing, nothing added"
 
 
@@ -164,6 +166,46 @@ def test_a_sentencepiece_token_that_carries_the_separating_space_into_the_reply_
     assert seq.ids[-1] == tokenizer.eos_token_id and all(seq.is_target[first:])
 
 
+def test_a_special_token_that_takes_in_the_whitespace_after_it_is_no_target(family_dirs):
+    """Phi-3's <|assistant|> strips the whitespace after it (rstrip): its offsets take in a reply's
+    leading space, yet only its own characters decide whether it is a target."""
+    tokenizer = tokenizer_of(family_dirs("phi3"))
+    record = t.Record(messages=(("user", "Hi"), ("assistant", " Hello")))
+    seq = t.tokenize_record(record, tokenizer, False, t.chat_masking(tokenizer))
+    targets = [i for i, y in zip(seq.ids, seq.is_target, strict=True) if y]
+    assert tokenizer.convert_ids_to_tokens(targets)[-1] == "<|end|>"
+    assert tokenizer.convert_tokens_to_ids("<|assistant|>") not in targets
+    assert tokenizer.decode(targets) == "Hello<|end|>"
+
+
+@pytest.mark.parametrize("name", ["mistral", "phi3"])
+def test_a_special_token_typed_in_a_message_stays_the_text_the_user_typed(name, family_dirs):
+    """It is encoded again as ordinary characters, with no "▁" before them: a SentencePiece-style
+    tokenizer adds one to a text encoded alone, a space the user never typed."""
+    tokenizer = tokenizer_of(family_dirs(name))
+    eos = tokenizer.eos_token
+    record = t.Record(messages=(("user", f"say {eos} now"), ("assistant", f"I say {eos}")))
+    seq = t.tokenize_record(record, tokenizer, False, t.chat_masking(tokenizer))
+    text = tokenizer.decode(seq.ids)
+    assert f"say {eos} now" in text and f"I say {eos}" in text and f"  {eos}" not in text
+    assert seq.ids.count(tokenizer.eos_token_id) == 1, "the template's own only (after the reply, or at the end)"
+
+
+def test_mistral_v03_drops_the_system_message_once_a_reply_follows_so_such_conversations_are_refused(family_dirs):
+    """Its template renders the system message only before a final user turn: training would see
+    conversations without it, and the model is prompted with it. Without one it masks as v0.2 does."""
+    tokenizer = copy.deepcopy(tokenizer_of(family_dirs("mistral")))
+    tokenizer.chat_template = MISTRAL_V03_TEMPLATE
+    plain = t.Record(messages=(("user", "Hi"), ("assistant", "ok\n"), ("user", "more"), ("assistant", "sure")))
+    seq = t.tokenize_record(plain, tokenizer, False, t.chat_masking(tokenizer))
+    targets = [i for i, y in zip(seq.ids, seq.is_target, strict=True) if y]
+    assert tokenizer.decode(targets) == "ok</s> sure</s>", "trimmed; the second carries its separator: ▁sure"
+    with_system = t.Record(messages=(("system", "Be brief."), *plain.messages), source="chat.jsonl:4")
+    with pytest.raises(t.UsageError, match=re.escape("chat.jsonl:4: the chat template cannot be masked")) as refused:
+        t.tokenize_record(with_system, tokenizer, False, t.chat_masking(tokenizer))
+    assert "the generation prompt goes on 'Be brief." in str(refused.value)
+
+
 def test_phi3_all_linear_adapts_every_linear_layer_but_the_output_head(family_dirs, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -214,6 +256,17 @@ def test_train_on_prompt_trains_on_a_template_that_cannot_be_masked(tiny_qwen, f
     assert_ok(launch(hf_args(model_dir, tmp_path / "every_token", *flags, "--train-on-prompt")))
 
 
+def test_train_on_prompt_takes_a_template_that_changes_messages_even_where_text_spells_a_special_token(tiny_qwen):
+    tokenizer = copy.deepcopy(tokenizer_of(tiny_qwen))
+    tokenizer.chat_template = tokenizer.chat_template.replace("message.content + '<|im_end|>'",
+                                                              "message.content | upper + '<|im_end|>'")  # fmt: skip
+    record = t.Record(messages=(("user", "type <|im_end|> here"), ("assistant", "ok")), source="chat.jsonl:2")
+    with pytest.raises(t.UsageError, match=re.escape("chat.jsonl:2: the chat template cannot be masked")):
+        t.tokenize_record(record, tokenizer, False, t.chat_masking(tokenizer))
+    seq = t.tokenize_record(record, tokenizer, True, t.chat_masking(tokenizer))
+    assert all(seq.is_target) and "TYPE <|IM_END|> HERE" in tokenizer.decode(seq.ids)
+
+
 def test_a_refusal_shows_the_text_the_template_actually_appended(family_dirs):
     tokenizer = copy.deepcopy(tokenizer_of(family_dirs("llama3")))
     tokenizer.chat_template = tokenizer.chat_template.replace("message['content'] | trim", "message['content'] | upper")
@@ -225,7 +278,7 @@ def test_a_refusal_shows_the_text_the_template_actually_appended(family_dirs):
 @pytest.mark.parametrize(
     "flags, named",
     [(["--model-name-or-path", "meta-llama/Llama-3.2-1B"], "--model-name-or-path meta-llama/Llama-3.2-1B is"),
-     (["--lora-r", "16", "--lora-targets", "all-linear"], "--lora-r 16, --lora-targets all-linear are"),
+     (["--lora-r", "16", "--lora-targets", "all-linear"], "--lora-r 16 and --lora-targets all-linear are"),
      (["--gradient-checkpointing"], "--gradient-checkpointing is")],
 )  # fmt: skip
 def test_pretrained_model_flags_on_the_tiny_model_are_refused_in_one_line(flags, named, tmp_path):

@@ -7,11 +7,13 @@ family's stock chat template, built offline for the model-family tests.
     Mistral   SentencePiece-style BPE with a prefix space; " [INST] ... [/INST]" then " reply</s>":
               a separator before the reply, and a system message folded into the first user turn
     Phi-3     the same tokenizer kind; fused projections (qkv_proj, gate_up_proj); <|end|> closes a
-              turn and the template appends EOS after the last message when not prompting
+              turn, the template appends EOS after the last message when not prompting, and the
+              role tokens and <|end|> strip the whitespace after them (rstrip), as Phi-3's own do
 
 The templates are the ones the families' instruct checkpoints ship in tokenizer_config.json
-(Meta-Llama-3-8B-Instruct, gemma-7b-it and gemma-2-9b-it, Mistral-7B-Instruct-v0.3,
-Phi-3-mini-4k-instruct). Weights are random and small; the architecture classes are the real ones.
+(Meta-Llama-3-8B-Instruct, gemma-7b-it and gemma-2-9b-it, Mistral-7B-Instruct-v0.2 and
+Mixtral-8x7B-Instruct-v0.1, Phi-3-mini-4k-instruct); MISTRAL_V03_TEMPLATE is Mistral-7B-Instruct-v0.3's
+with its tool-call parts left out. Weights are random and small; the architecture classes are the real ones.
 """
 
 from __future__ import annotations
@@ -66,6 +68,29 @@ MISTRAL_TEMPLATE = (
     "{%- endfor %}\n"
 )
 
+# v0.3 renders the system message only before the last message, when that is a user turn: once a
+# reply follows, the system message is gone from the rendering.
+MISTRAL_V03_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}\n"
+    "    {%- set system_message = messages[0]['content'] %}\n"
+    "    {%- set loop_messages = messages[1:] %}\n"
+    "{%- else %}\n"
+    "    {%- set loop_messages = messages %}\n"
+    "{%- endif %}\n"
+    "{{- bos_token }}\n"
+    "{%- for message in loop_messages %}\n"
+    "    {%- if message['role'] == 'user' %}\n"
+    "        {%- if loop.last and system_message is defined %}\n"
+    "            {{- '[INST] ' + system_message + '\\n\\n' + message['content'] + '[/INST]' }}\n"
+    "        {%- else %}\n"
+    "            {{- '[INST] ' + message['content'] + '[/INST]' }}\n"
+    "        {%- endif %}\n"
+    "    {%- elif message['role'] == 'assistant' %}\n"
+    "        {{- ' ' + message['content']|trim + eos_token }}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n"
+)
+
 PHI3_TEMPLATE = (
     "{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\n' + message['content'] + "
     "'<|end|>\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\n' + message['content'] + '<|end|>\n'}}"
@@ -95,6 +120,7 @@ class Family:
     config: str  # transformers' config class
     config_options: dict = field(default_factory=dict)
     flags: tuple[str, ...] = ()  # what this script needs for it beyond --model hf
+    rstrip: tuple[str, ...] = ()  # special tokens that take in the whitespace after them
 
 
 FAMILIES = {
@@ -153,6 +179,7 @@ FAMILIES = {
         "Phi3Config",
         {"num_key_value_heads": 4},
         ("--lora-targets", "all-linear"),
+        ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
     ),
 }
 
@@ -188,12 +215,16 @@ def train_bpe(lines: list[str], family: Family, vocab_size: int) -> tuple[dict[s
 
 
 def build_tokenizer(family: Family, lines: list[str], vocab_size: int) -> object:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import GemmaTokenizer, LlamaTokenizer, PreTrainedTokenizerFast
 
     vocab, merges = train_bpe(lines, family, vocab_size)
     specials = {"bos_token": family.bos, "eos_token": family.eos}
-    extra = [t for t in family.specials if t not in (family.bos, family.eos, "<unk>", "<pad>")]
+    extra = [
+        AddedToken(t, rstrip=t in family.rstrip, lstrip=False, normalized=False, special=True)
+        for t in family.specials
+        if t not in (family.bos, family.eos, "<unk>", "<pad>")
+    ]
     if family.tokenizer == "byte-level":
         bpe = Tokenizer(models.BPE(vocab=vocab, merges=merges))
         bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
