@@ -19,7 +19,7 @@ with its tool-call parts left out. Weights are random and small; the architectur
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -145,18 +145,6 @@ FAMILIES = {
         "GemmaConfig",
         {"head_dim": 16, "tie_word_embeddings": True},
     ),
-    "gemma2": Family(
-        "gemma2",
-        "gemma",
-        GEMMA_TEMPLATE,
-        "<bos>",
-        "<eos>",
-        "<end_of_turn>",
-        ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"),
-        "Gemma2Config",
-        {"head_dim": 16, "tie_word_embeddings": True, "sliding_window": 64, "query_pre_attn_scalar": 16},
-        ("--attn-implementation", "eager"),
-    ),
     "mistral": Family(
         "mistral",
         "prefix-space",
@@ -182,6 +170,16 @@ FAMILIES = {
         ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
     ),
 }
+
+
+# Gemma2: Gemma's tokenizer and template, another architecture (soft-capping, sliding window).
+FAMILIES["gemma2"] = replace(
+    FAMILIES["gemma"],
+    name="gemma2",
+    config="Gemma2Config",
+    config_options=FAMILIES["gemma"].config_options | {"sliding_window": 64, "query_pre_attn_scalar": 16},
+    flags=("--attn-implementation", "eager"),
+)
 
 
 def train_bpe(lines: list[str], family: Family, vocab_size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
