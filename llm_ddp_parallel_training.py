@@ -91,7 +91,7 @@ class TrainingError(Exception):
 
 
 # ----------------------------------------------------------------------------------------------
-# 1. Settings: the command line becomes one frozen RunConfig
+# 1. Settings: everything a run is told, in one frozen RunConfig (section 8 fills it from the command line)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -166,6 +166,1415 @@ class RunConfig:
     # sample
     prompt: str
     sample_tokens: int
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Ranks: torchrun's environment says who this process is; then the process group
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Dist:
+    """Everything this process knows about its place in the job."""
+
+    rank: int  # 0 .. world_size-1, unique across all machines
+    local_rank: int  # 0 .. local_world_size-1 on this machine: picks the GPU
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    backend: str | None  # None: a plain single process, no process group
+    why: str  # the reason for the backend/device choice, printed at start
+    control: dist.ProcessGroup | None = None  # Gloo group for host numbers under NCCL (None: the default group)
+    store: dist.Store | None = None  # the rendezvous key-value store the ranks met in
+    launch: str | None = None  # this torchrun launch, the same in all its restarts (see launch_token)
+
+    @classmethod
+    def from_process_group(cls) -> Dist:
+        """This process's place in a process group already started: for using ManualDDP,
+        ShardedOptimizer or ManualFSDP in a script of your own."""
+        backend = dist.get_backend()
+        cuda = backend == "nccl"
+        return cls(
+            rank=dist.get_rank(),
+            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            world_size=dist.get_world_size(),
+            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
+            device=torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
+            backend=backend,
+            why="a process group started by the caller",
+        )
+
+    @property
+    def is_main(self) -> bool:
+        # Decisions "only one process does this" use the global rank: LOCAL_RANK 0 exists
+        # once per machine, so testing it would make every machine write the checkpoint.
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ or "WORLD_SIZE" in os.environ
+
+
+def rank_facts_from_env() -> tuple[int, int, int, int]:
+    """(rank, world size, local rank, local world size) as torchrun exported them, checked.
+
+    A leftover `export RANK=...` or a hand-made launch can set them inconsistently; that gets
+    one line now, not a ValueError from init_process_group or a wait for ranks that never come.
+    """
+    env = os.environ
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    shown = ", ".join(f"{n}={env[n]}" for n in names if n in env)
+    fix = "launch with torchrun (it sets them all), or unset them to run one process"
+    try:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local_rank = int(env.get("LOCAL_RANK", "0"))
+        local_world = int(env.get("LOCAL_WORLD_SIZE", str(world)))
+    except (KeyError, ValueError):
+        raise UsageError(f"rank variables incomplete or not integers ({shown}): {fix}") from None
+    if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
+        raise UsageError(f"rank variables are inconsistent ({shown}): {fix}")
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
+        raise UsageError(f"{shown} are set but MASTER_ADDR or MASTER_PORT is not: {fix}")
+    return rank, world, local_rank, local_world
+
+
+def choose_backend_and_device(cfg: RunConfig, local_rank: int, local_world: int) -> tuple[str, torch.device, str]:
+    cuda = torch.cuda.is_available()
+    if cfg.backend == "nccl":
+        if cfg.cpu:
+            raise UsageError("--backend nccl needs GPUs but --cpu was given; use --backend gloo")
+        if not cuda:
+            raise UsageError("--backend nccl needs CUDA, and torch sees no CUDA device; use --backend gloo")
+        if not dist.is_nccl_available():
+            raise UsageError("--backend nccl: this torch build has no NCCL (it ships on Linux only)")
+    use_cuda = cuda and not cfg.cpu
+    if use_cuda and local_world > torch.cuda.device_count():
+        raise UsageError(
+            f"{local_world} ranks on this machine but only {torch.cuda.device_count()} GPU(s); "
+            "lower --nproc_per_node or add --cpu"
+        )
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if cfg.backend != "auto":
+        return cfg.backend, device, f"--backend {cfg.backend} was asked for"
+    if use_cuda and sys.platform.startswith("linux"):
+        return "nccl", device, "CUDA is available on Linux: NCCL is the fast GPU collective library"
+    if use_cuda:
+        return "gloo", device, f"NCCL is Linux-only and this is {sys.platform}: Gloo (it reduces CUDA tensors too)"
+    why = "--cpu was given" if cfg.cpu else "no CUDA device"
+    return "gloo", device, f"{why}: Gloo runs the collectives on CPU"
+
+
+def setup_distributed(cfg: RunConfig) -> Dist:
+    """Read the rank facts torchrun exported and join the process group (or stay single)."""
+    if not launched_by_torchrun():
+        use_cuda = torch.cuda.is_available() and not cfg.cpu
+        device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
+        return Dist(0, 0, 1, 1, device, None, "not launched by torchrun: one process, no process group")
+    rank, world, local_rank, local_world = rank_facts_from_env()
+    backend, device, why = choose_backend_and_device(cfg, local_rank, local_world)
+    if "TORCHELASTIC_RUN_ID" not in os.environ and local_rank == 0:  # a hand-made launch: say what it waits for
+        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        print(f"[connect] not started by torchrun: waiting up to {cfg.timeout_s:g} s for {world} ranks at {where}")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before any CUDA work, so rank r never touches GPU 0
+    # The timeout bounds every collective, so a rank that stops answering fails the job
+    # instead of hanging it.
+    timeout = timedelta(seconds=cfg.timeout_s)
+    try:
+        agent_store, launch = rendezvous_store(timeout)
+        dist.init_process_group(
+            backend=backend,
+            store=agent_store,
+            rank=rank,
+            world_size=world,
+            timeout=timeout,
+            device_id=device if device.type == "cuda" else None,
+        )
+    except (RuntimeError, ValueError) as e:  # DistStoreError and friends are RuntimeErrors
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise TrainingError(
+            f"rank {rank} of {world} could not join the process group at {where}: {first_line(e)}"
+        ) from None
+    # Under NCCL a second, Gloo group carries the step's host numbers (token counts, stop votes).
+    control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
+    # Without torchrun's agent store, torch built one from MASTER_ADDR/PORT: take that one.
+    store = agent_store or dist.distributed_c10d._get_default_store()
+    return Dist(rank, local_rank, world, local_world, device, backend, why, control, store, launch)
+
+
+def teardown_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        # DDP's reducer and the gradient hooks hold the process group in reference cycles;
+        # collect them while the interpreter is fully alive. Left to interpreter shutdown,
+        # Gloo's threads can still own tensors then, and the process aborts (pytorch#179291).
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(d: Dist, values: list[float]) -> list[float]:
+    """Sum a few host numbers over all ranks (a collective: every rank must call it).
+
+    They travel on the CPU, through Gloo (d.control): under NCCL they would have to be copied
+    to the GPU and read back, and that read waits for all the GPU work queued before it.
+    """
+    if not d.distributed:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=d.control)
+    return t.tolist()
+
+
+def say(message: str) -> None:
+    """Print a line on stdout without breaking a progress bar drawn on stderr."""
+    tqdm.write(message, file=sys.stdout)
+    sys.stdout.flush()
+
+
+def log(d: Dist, message: str) -> None:
+    if d.is_main:
+        say(message)
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Data: text -> fixed-length byte examples -> a DistributedSampler slice per rank
+# ----------------------------------------------------------------------------------------------
+
+
+def read_corpus_lines(path: Path) -> list[str]:
+    """One training sample per line; blank lines are skipped."""
+    lines = [line.strip() for line in read_text_file(path).split("\n")]
+    lines = [line for line in lines if line]
+    if not lines:
+        raise UsageError(f"corpus file has no non-blank lines: {path}")
+    return lines
+
+
+@dataclass(frozen=True)
+class Examples(Dataset):
+    """Token tensors built once, up front. Row i is one example: inputs[i] predicts targets[i]."""
+
+    inputs: torch.Tensor  # (N, T) int64
+    targets: torch.Tensor  # (N, T) int64, IGNORE_INDEX on padding
+    # (N,) int64: UTF-8 bytes of text the targets spell out (a line's end counts as one byte).
+    # Loss per byte compares models whose tokens differ: a byte-level model and Qwen's BPE.
+    target_bytes: torch.Tensor
+    # (N, T) int64 for packed rows: each example's positions restart at 0 (see pack_rows)
+    positions: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.inputs.shape[0]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        if self.positions is None:
+            return self.inputs[i], self.targets[i]
+        return self.inputs[i], self.targets[i], self.positions[i]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Fixed examples: only the sampler's order changes between epochs."""
+
+    def digest(self) -> str:
+        tensors = [self.inputs, self.targets] + ([self.positions] if self.positions is not None else [])
+        return sha256(b"".join(t.numpy().tobytes() for t in tensors))
+
+
+def packed_stream(lines: list[str]) -> bytes:
+    """The lines as one byte stream, each framed by newlines (b"\n" + line + b"\n", sharing them)."""
+    return b"\n" + b"\n".join(line.encode("utf-8") for line in lines) + b"\n"
+
+
+class ShiftingWindows(Dataset):
+    """Packed training data: one byte stream, cut into seq_len windows at an offset that moves
+    every epoch. Every window is full: no compute goes to padding.
+
+    A cut that never moved would put each byte at the same position of the same window in
+    every epoch, and a small model then memorizes "this byte at that position" instead of the
+    text, and fails on the same text anywhere else (as when sampling from a prompt). The offset
+    comes from --seed and the epoch: the same on every rank, and the same again on resume.
+    """
+
+    def __init__(self, lines: list[str], seq_len: int, seed: int) -> None:
+        self.stream = torch.frombuffer(bytearray(packed_stream(lines)), dtype=torch.uint8)  # 1 byte a token until used
+        self.seq_len, self.seed, self.offset = seq_len, seed, 0
+
+    def __len__(self) -> int:
+        return max(0, (len(self.stream) - 1) // self.seq_len - 1)  # windows that fit at any offset
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = self.offset + i * self.seq_len
+        window = self.stream[start : start + self.seq_len + 1].long()
+        return window[:-1], window[1:]
+
+    def set_epoch(self, epoch: int) -> None:
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        self.offset = int(torch.randint(self.seq_len, (), generator=generator))
+
+    def digest(self) -> str:
+        return sha256(self.stream.numpy().tobytes() + str(self.seq_len).encode())
+
+
+def encode_lines_as_bytes(lines: list[str], seq_len: int, pack: bool) -> Examples:
+    """Byte-level examples. Every line is framed by newlines: b"\n" + line + b"\n".
+
+    The opening newline is the "start of line" the first byte is predicted from; the closing
+    newline teaches the model where a line ends (and where sampling stops).
+
+    pack=True: the framed lines form one stream, cut into windows of seq_len targets (only
+      the last is padded). Validation uses these fixed windows; training cuts the same stream
+      at a moving offset (ShiftingWindows).
+    pack=False: one line per example, right-padded. Real token counts then differ between
+      examples, between ranks and between micro-steps, which is what makes the choice of
+      loss normalization matter (see loss_scale).
+    Either way, a span longer than seq_len is cut into windows that overlap by one byte, so
+    every byte is a target exactly once; padded positions get IGNORE_INDEX.
+    """
+    spans = [packed_stream(lines)] if pack else [b"\n" + line.encode("utf-8") + b"\n" for line in lines]
+    windows = [span[start : start + seq_len + 1] for span in spans for start in range(0, len(span) - 1, seq_len)]
+    inputs = torch.zeros(len(windows), seq_len, dtype=torch.long)
+    targets = torch.full((len(windows), seq_len), IGNORE_INDEX, dtype=torch.long)
+    for i, w in enumerate(windows):
+        ids = torch.frombuffer(bytearray(w), dtype=torch.uint8).long()
+        inputs[i, : len(ids) - 1] = ids[:-1]
+        targets[i, : len(ids) - 1] = ids[1:]
+    return Examples(inputs, targets, (targets != IGNORE_INDEX).sum(dim=1))
+
+
+def split_lines(lines: list, val_fraction: float, seed: int) -> tuple[list, list]:
+    """Hold out a fraction of the lines (or records) for validation: the same ones on every rank.
+
+    The split comes from a generator seeded by --seed alone (not by the rank), so all ranks
+    agree on it without talking; a rank-dependent split would leak held-out lines into
+    another rank's training data.
+    """
+    n_val = max(1, round(len(lines) * val_fraction)) if val_fraction else 0
+    if n_val >= len(lines):
+        raise UsageError(
+            f"corpus too small: {len(lines)} line(s) cannot be split into training and validation lines "
+            f"(--val-fraction {val_fraction}); add lines or pass --val-fraction 0"
+        )
+    order = torch.randperm(len(lines), generator=torch.Generator().manual_seed(seed)).tolist()
+    held_out = set(order[:n_val])
+    train = [line for i, line in enumerate(lines) if i not in held_out]
+    val = [line for i, line in enumerate(lines) if i in held_out]
+    return train, val
+
+
+def trim_padding(batch: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """Stack a batch (inputs, targets[, positions]), then cut the columns after its last target:
+    a batch is padded only as far as its longest example needs. Padding sits on the right, and
+    causal attention never lets a real position look right, so the cut changes no output that
+    counts; it only saves compute."""
+    columns = [torch.stack(column) for column in zip(*batch, strict=True)]
+    used = (columns[1] != IGNORE_INDEX).any(dim=0).nonzero()
+    width = int(used.max()) + 1 if len(used) else columns[1].shape[1]
+    return tuple(c[:, :width].contiguous() for c in columns)
+
+
+def collate_for(cfg: RunConfig) -> Callable[[list], tuple[torch.Tensor, ...]]:
+    """How a micro-batch is stacked. Under sdpa and eager, packed rows stay rows: transformers builds
+    each row a block-diagonal causal mask from its position_ids, and one long row would make that
+    mask (and attention's work) grow with the square of the whole micro-batch."""
+    flash = cfg.model == "hf" and cfg.pack and cfg.attn_implementation.startswith("flash_attention")
+    return flatten_rows if flash else trim_padding
+
+
+def make_train_loader(
+    dataset: Examples | ShiftingWindows, cfg: RunConfig, d: Dist
+) -> tuple[DataLoader, DistributedSampler]:
+    # Every rank builds the same permutation (same seed, same epoch) and keeps every
+    # world_size-th index starting at its rank: disjoint shards that together cover the data.
+    # drop_last trims the permutation to a multiple of world_size instead of padding it with
+    # repeats, so no example is trained twice in an epoch.
+    sampler = DistributedSampler(
+        dataset, num_replicas=d.world_size, rank=d.rank, shuffle=True, seed=cfg.seed, drop_last=True
+    )
+    per_step = cfg.batch_size * cfg.grad_accum_steps
+    if len(sampler) < per_step:
+        raise UsageError(
+            f"corpus too small: {len(dataset)} examples give each of {d.world_size} rank(s) "
+            f"{len(sampler)} per epoch, fewer than one step's {per_step} (--batch-size x --grad-accum-steps); "
+            "use a larger corpus, smaller batches or fewer ranks"
+        )
+    loader = DataLoader(
+        dataset,
+        batch_size=cfg.batch_size,
+        sampler=sampler,
+        drop_last=True,  # equal batch counts on every rank, so no rank waits in an all-reduce alone
+        collate_fn=collate_for(cfg),
+        pin_memory=d.device.type == "cuda",
+        # Each iter(loader) draws a seed for its workers. From the global RNG, that draw would
+        # shift the dropout stream, and a resumed run (which starts its epoch's iterator where
+        # an uninterrupted one did not) would drop different units: resume would not be exact.
+        generator=torch.Generator().manual_seed(cfg.seed),
+    )
+    return loader, sampler
+
+
+def steps_from(loader: DataLoader, sampler: DistributedSampler, k: int, start_step: int) -> Iterator[list]:
+    """Yield each optimizer step's k micro-batches, across epochs, starting at `start_step`.
+
+    An epoch is len(loader) // k steps (a leftover of fewer than k batches is dropped), so a
+    step number alone says where the run is: epoch = step // steps_per_epoch. A resumed run
+    rebuilds the same epoch permutation and skips the batches it has already trained on.
+    """
+    steps_per_epoch = len(loader) // k
+    epoch, skip = divmod(start_step, steps_per_epoch)
+    while True:
+        # Without set_epoch every epoch would replay epoch 0's order. The epoch number must
+        # be the same on all ranks, or their shards would overlap.
+        sampler.set_epoch(epoch)
+        loader.dataset.set_epoch(epoch)
+        batches = iter(loader)
+        for _ in range(skip * k):
+            next(batches)
+        for _ in range(steps_per_epoch - skip):
+            yield [next(batches) for _ in range(k)]
+        epoch, skip = epoch + 1, 0
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. Model: a byte-level causal Transformer trained from scratch
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TinyConfig:
+    vocab_size: int = 256  # one id per byte
+    seq_len: int = 128
+    d_model: int = 128
+    n_heads: int = 4
+    n_layers: int = 1
+    dropout: float = 0.0
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, c: TinyConfig) -> None:
+        super().__init__()
+        self.n_heads, self.dropout = c.n_heads, c.dropout
+        self.qkv = nn.Linear(c.d_model, 3 * c.d_model, bias=False)
+        self.proj = nn.Linear(c.d_model, c.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        # is_causal masks every position j > i: a token never sees the bytes it must predict.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class Block(nn.Module):
+    def __init__(self, c: TinyConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(c.d_model, bias=False)
+        self.attn = CausalSelfAttention(c)
+        self.ln2 = nn.LayerNorm(c.d_model, bias=False)
+        self.mlp = nn.Sequential(
+            nn.Linear(c.d_model, 4 * c.d_model, bias=False), nn.GELU(), nn.Linear(4 * c.d_model, c.d_model, bias=False)
+        )
+        self.drop = nn.Dropout(c.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class TinyTransformer(nn.Module):
+    """Token + position embeddings, causal blocks, final norm, LM head: (B, T) ids -> (B, T, V)."""
+
+    def __init__(self, c: TinyConfig) -> None:
+        super().__init__()
+        self.config = c
+        self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
+        self.pos_emb = nn.Embedding(c.seq_len, c.d_model)
+        self.drop = nn.Dropout(c.dropout)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layers))
+        self.ln_f = nn.LayerNorm(c.d_model, bias=False)
+        self.head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        t = ids.shape[1]
+        pos = torch.arange(t, device=ids.device)
+        x = self.drop(self.tok_emb(ids) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+@torch.no_grad()
+def generate_bytes(model: TinyTransformer, prompt: str, max_new: int, seed: int) -> str:
+    """Sample a continuation of the prompt until the end of the line (the model's own "\\n")."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([[NEWLINE, *prompt.encode("utf-8")]], device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = bytearray()
+    for _ in range(max_new):
+        logits = model(ids[:, -model.config.seq_len :])[0, -1].float()
+        probs = torch.softmax(logits / 0.8, dim=-1)  # temperature 0.8: a little sharper than raw
+        nxt = torch.multinomial(probs, 1, generator=gen)
+        if nxt.item() == NEWLINE:
+            break
+        out.append(int(nxt.item()))
+        ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+    return prompt + out.decode("utf-8", errors="replace")
+
+
+@dataclass
+class ModelKit:
+    """What the shared training loop needs from a model path; the rest stays in its builder."""
+
+    model: nn.Module  # the plain model; DDP wraps it later
+    train: Examples | ShiftingWindows
+    val: Examples | None  # held-out lines (--val-fraction), fixed windows; None when there are none
+    # (module, inputs, targets[, positions]) -> the sum of the target tokens' losses
+    loss: Callable[..., torch.Tensor]
+    sample: Callable[[nn.Module, str], str]  # (unwrapped model, prompt) -> text
+    # (unwrapped model, step, its whole state dict or None: the model's own) -> path written
+    save_final: Callable[[nn.Module, int, dict | None], Path]
+    final_name: str  # what save_final writes inside OUTPUT_DIR
+    final_label: str  # ... and what that is, for the log
+    flops_per_token: float  # training FLOPs per token, for MFU
+    describe: str
+    data_report: str = ""  # what became of the records on the way to examples
+    loss_module: nn.Module | None = None  # what DDP wraps and `loss` runs, if not the model itself
+    blocks: list[nn.Module] = field(default_factory=list)  # the Transformer blocks: FSDP's units
+    reload: Callable[[Path], nn.Module] | None = None  # save_final's output read back, as a plain model
+
+    @property
+    def trained(self) -> nn.Module:
+        return self.loss_module or self.model
+
+
+def tiny_parameter_count(c: TinyConfig) -> int:
+    """Embeddings and head, plus per block: qkv 3d², proj d², MLP 8d², two norms."""
+    return (2 * c.vocab_size + c.seq_len) * c.d_model + c.n_layers * (12 * c.d_model**2 + 2 * c.d_model) + c.d_model
+
+
+def build_tiny_kit(cfg: RunConfig, d: Dist, lines: list[str], val_lines: list[str]) -> ModelKit:
+    config = TinyConfig(
+        seq_len=cfg.seq_len, d_model=cfg.d_model, n_heads=cfg.n_heads, n_layers=cfg.n_layers, dropout=cfg.dropout
+    )
+    check_model_fits(tiny_parameter_count(config), d)
+    # Same seed on every rank: the replicas start identical. (DDP would also broadcast rank
+    # 0's weights when it wraps the model, but equal seeds make single-process runs match.)
+    torch.manual_seed(cfg.seed)
+    model = TinyTransformer(config).to(d.device)
+    n_params = sum(p.numel() for p in model.parameters())
+
+    def save_final(raw: nn.Module, step: int, whole: dict | None = None) -> Path:
+        path = cfg.output_dir / TINY_FINAL
+        atomic_torch_save({"model": whole or raw.state_dict(), "config": asdict(config), "step": step}, path)
+        return path
+
+    return ModelKit(
+        model=model,
+        train=ShiftingWindows(lines, cfg.seq_len, cfg.seed)
+        if cfg.pack
+        else encode_lines_as_bytes(lines, cfg.seq_len, False),
+        val=encode_lines_as_bytes(val_lines, cfg.seq_len, cfg.pack) if val_lines else None,
+        loss=lambda m, ids, targets: token_loss_sum(m(ids), targets),
+        sample=lambda raw, prompt: generate_bytes(raw, prompt, cfg.sample_tokens, cfg.seed),
+        save_final=save_final,
+        final_name=TINY_FINAL,
+        final_label="model checkpoint",
+        flops_per_token=training_flops_per_token(model, cfg.n_layers, cfg.d_model, cfg.seq_len),
+        describe=f"tiny Transformer: {cfg.n_layers} layer(s), d_model {cfg.d_model}, "
+        f"{cfg.n_heads} heads, {n_params:,} parameters",
+        blocks=list(model.blocks),
+        reload=lambda path: load_tiny_checkpoint(path, d.device),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. Sync: the gradient all-reduce, by torch's DDP and by a from-scratch DDP beside it
+# ----------------------------------------------------------------------------------------------
+
+
+def wrap_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats) -> nn.Module:
+    if d.distributed and cfg.sharding == "full":
+        return shard_fully(kit, cfg, d)
+    return wrap_data_parallel(kit.trained, cfg, d, stats)
+
+
+def wrap_data_parallel(model: nn.Module, cfg: RunConfig, d: Dist, stats: CommStats) -> nn.Module:
+    if not d.distributed:
+        return model  # one plain process: nothing to synchronise
+    if cfg.ddp == "manual":
+        return ManualDDP(model, d, cfg.bucket_mb, stats)
+    # torch's DDP broadcasts rank 0's parameters to all ranks now, then hooks every parameter:
+    # during backward, finished gradients fill buckets that are all-reduced (averaged) while the
+    # rest of backward still runs, so every rank ends the step with the same gradient.
+    ddp = DDP(
+        model,
+        device_ids=[d.device.index] if d.device.type == "cuda" else None,
+        bucket_cap_mb=cfg.bucket_mb,
+        # After the first backward .grad *is* a view into its bucket: backward accumulates into
+        # the bucket and the averaged result needs no copy back out. (This holds only while the
+        # .grad tensors live on: the loop zeroes them in place rather than setting them to None.)
+        gradient_as_bucket_view=True,
+        # Buffers never change here (Qwen's rotary frequencies are fixed), so there is nothing
+        # to re-send from rank 0 before every forward (torch 2.13 renamed the switch).
+        **no_buffer_sync_before_forward(),
+    )
+    ddp.register_comm_hook(stats, counting_allreduce_hook)
+    return ddp
+
+
+def no_buffer_sync_before_forward() -> dict[str, bool]:
+    takes = inspect.signature(DDP.__init__).parameters
+    return {"forward_sync_buffers": False} if "forward_sync_buffers" in takes else {"broadcast_buffers": False}
+
+
+def counting_allreduce_hook(stats, bucket):  # no annotations: DDP checks them, and rejects strings
+    """torch DDP's own all-reduce (divide by world size, then sum), after writing down the bucket.
+
+    With compression, torch's bf16 hook: the bucket travels as bf16 (2 bytes a number instead of
+    4) and is widened back to fp32 on arrival. bf16 keeps 8 bits of mantissa: every rank's
+    gradient is rounded by up to 2^-9 of itself before the sum, so the averaged gradient is off by
+    up to about 2^-9 of the *sum of their magnitudes* (more than 2^-9 of itself where they cancel).
+    """
+    buffer = bucket.buffer()
+    wire_bytes = buffer.numel() * (2 if stats.compress else buffer.element_size())
+    stats.record(bucket.index(), wire_bytes, bucket.parameters(), bucket.gradients())
+    if stats.compress:
+        future = default_hooks.bf16_compress_hook(None, bucket)
+    else:
+        future = default_hooks.allreduce_hook(None, bucket)
+    wire_dtype = torch.bfloat16 if stats.compress else buffer.dtype
+    return stats.traced(future, bucket.index(), wire_bytes, wire_dtype)
+
+
+class CommStats:
+    """Counts what the gradient all-reduce sends, and (for --inspect) keeps the local gradients.
+
+    Both wrappers report every bucket they launch here: torch's DDP through a comm hook, the
+    manual one directly. Counting per optimizer step shows that accumulation's k-1 silent
+    micro-steps send nothing.
+    """
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], compress: bool) -> None:
+        self.name_of = {id(p): name for name, p in named_params}
+        self.compress = compress  # --grad-compression bf16: send bf16, half the bytes
+        self.calls = 0
+        self.bytes = 0
+        self.step_layout: dict[int, tuple[int, list[str]]] = {}
+        self.layout: list[tuple[int, list[str]]] = []  # per bucket: (bytes, parameter names)
+        self.layout_changed = False
+        self.local_grads: dict[str, torch.Tensor] | None = None  # set to {} to capture one step
+        self.timeline: Timeline | None = None  # --trace-steps: each bucket's all-reduce becomes a span
+
+    def record(self, index: int, nbytes: int, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        self.calls += 1
+        self.bytes += nbytes
+        self.step_layout[index] = (nbytes, [self.name_of[id(p)] for p in params])
+        if self.local_grads is not None:  # the gradient this rank computed, before averaging
+            for p, g in zip(params, grads, strict=True):
+                self.local_grads[self.name_of[id(p)]] = g.detach().clone()
+
+    def traced(self, future: torch.futures.Future, index: int, nbytes: int, dtype: torch.dtype) -> torch.futures.Future:
+        if self.timeline is None or not self.timeline.on:
+            return future
+        return self.timeline.collective(
+            "all-reduce", future, {"bucket": index, "bytes": nbytes, "dtype": str(dtype).removeprefix("torch.")}
+        )
+
+    def end_step(self) -> tuple[int, int]:
+        """Close the optimizer step: return (all-reduce calls, bytes) and note the bucket layout."""
+        calls, nbytes = self.calls, self.bytes
+        self.calls = self.bytes = 0
+        if self.step_layout:
+            layout = [self.step_layout[i] for i in sorted(self.step_layout)]
+            self.layout_changed = bool(self.layout) and layout != self.layout
+            self.layout, self.step_layout = layout, {}
+        return calls, nbytes
+
+
+def no_sync(model: nn.Module) -> contextlib.AbstractContextManager:
+    """Skip the all-reduce for this forward+backward: gradients just accumulate locally."""
+    if hasattr(model, "set_requires_gradient_sync"):  # torch's fully_shard
+        return fsdp_no_sync(model)
+    return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
+
+
+def finish_gradient_sync(model: nn.Module) -> None:
+    # torch's DDP and fully_shard have already waited inside backward(); the manual wrappers wait here.
+    if isinstance(model, (ManualDDP, ManualFSDP)):
+        model.finish_gradient_sync()
+
+
+@dataclass(eq=False)
+class Bucket:
+    index: int
+    params: list[nn.Parameter]
+    flat: torch.Tensor  # one contiguous buffer for all their gradients: one all-reduce per bucket
+    offsets: list[int]
+    ready: int = 0
+    arrival: torch.futures.Future | None = None  # the all-reduce in flight; wait() returns once the sum is here
+    wire: torch.Tensor | None = None  # what travels: flat itself, or its bf16 copy
+
+
+class WrapperThatSyncs(nn.Module):
+    """What ManualDDP and ManualFSDP share: the wrapped module, and no_sync() for accumulation."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self.require_sync = True  # False inside no_sync(): gradients accumulate, nothing travels
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.require_sync = False
+        try:
+            yield
+        finally:
+            self.require_sync = True
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        return self.module(*args, **kwargs)
+
+
+class ManualDDP(WrapperThatSyncs):
+    """Data parallelism from scratch: what torch's DDP does for us, in plain Python.
+
+    1. Start equal: broadcast rank 0's parameters and buffers to every rank.
+    2. Plan buckets: trainable parameters in *reverse* registration order (backward produces
+       gradients roughly from the last layer to the first), grouped until a bucket holds
+       bucket_mb of gradients.
+    3. During backward, a hook on each parameter copies its finished gradient into its bucket;
+       when a bucket's last gradient arrives, its all-reduce starts asynchronously, so
+       communication overlaps the rest of backward.
+    4. finish_gradient_sync(): wait for every bucket, divide the sums by the world size, copy
+       the averages back into .grad. Now every rank holds the same gradient.
+    """
+
+    def __init__(self, module: nn.Module, d: Dist, bucket_mb: float, stats: CommStats) -> None:
+        super().__init__(module)
+        self.world_size, self.stats = d.world_size, stats
+        with torch.no_grad():
+            for t in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(t, src=0)
+        self.buckets: list[Bucket] = []
+        self.place: dict[nn.Parameter, tuple[Bucket, int]] = {}
+        cap = bucket_mb * 2**20
+        pending: list[nn.Parameter] = []
+        for p in reversed([p for p in module.parameters() if p.requires_grad]):
+            pending.append(p)
+            if sum(q.numel() * q.element_size() for q in pending) >= cap:
+                self._add_bucket(pending)
+                pending = []
+        if pending:
+            self._add_bucket(pending)
+        for p in self.place:
+            # A post-accumulate hook runs once the gradient is fully summed into p.grad for this
+            # backward. It receives the *parameter*, not the gradient: reading p.grad is right,
+            # all-reducing p itself would average the weights (picotron#39).
+            p.register_post_accumulate_grad_hook(self._gradient_ready)
+
+    def _add_bucket(self, params: list[nn.Parameter]) -> None:
+        sizes = [p.numel() for p in params]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        flat = torch.zeros(sum(sizes), dtype=params[0].dtype, device=params[0].device)
+        bucket = Bucket(len(self.buckets), params, flat, offsets)
+        self.buckets.append(bucket)
+        for p, offset in zip(params, offsets, strict=True):
+            self.place[p] = (bucket, offset)
+
+    def _gradient_ready(self, p: nn.Parameter) -> None:
+        if not self.require_sync:
+            return  # inside no_sync(): the gradient stays in p.grad and keeps accumulating there
+        bucket, offset = self.place[p]
+        # p.grad holds the sum over every micro-step since the last sync, so accumulated
+        # gradients count too (a hook on the incoming gradient would see only the last one).
+        bucket.flat[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            local = [
+                bucket.flat[o : o + q.numel()].view_as(q) for q, o in zip(bucket.params, bucket.offsets, strict=True)
+            ]
+            bucket.wire = bucket.flat.to(torch.bfloat16) if self.stats.compress else bucket.flat
+            nbytes = bucket.wire.numel() * bucket.wire.element_size()
+            self.stats.record(bucket.index, nbytes, bucket.params, local)
+            work = dist.all_reduce(bucket.wire, async_op=True)
+            bucket.arrival = self.stats.traced(work.get_future(), bucket.index, nbytes, bucket.wire.dtype)
+
+    def finish_gradient_sync(self) -> None:
+        for bucket in self.buckets:
+            if bucket.arrival is None:
+                missing = [self.stats.name_of[id(p)] for p in bucket.params if p.grad is None]
+                raise TrainingError(f"a gradient bucket never filled: no gradient for {', '.join(missing) or '?'}")
+            bucket.arrival.wait()
+            if bucket.wire is not bucket.flat:
+                bucket.flat.copy_(bucket.wire)
+            bucket.flat.div_(self.world_size)  # all_reduce summed; DDP's contract is the average
+            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+                p.grad.copy_(bucket.flat[offset : offset + p.numel()].view_as(p))
+            bucket.ready, bucket.arrival, bucket.wire = 0, None, None
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. Train: one loop for every model: forward, backward, sync, clip, step
+# ----------------------------------------------------------------------------------------------
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross-entropy over the real (non-padding) targets."""
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+def loss_scale(cfg: RunConfig, d: Dist, micro_tokens: int, global_tokens: float) -> float:
+    """What each micro-step's token-loss *sum* is multiplied by before backward.
+
+    global-tokens: world_size / global_tokens. DDP averages (divides by world_size), so the
+      gradient is exactly that of sum(every token loss) / global_tokens: the mean over every
+      target token of the global batch, whatever the split across ranks and micro-steps.
+    mean-of-means: 1 / (micro_tokens * k). Each micro-batch's own mean, averaged over micro-steps
+      and then over ranks: a token in a short micro-batch weighs more than one in a long one.
+    """
+    if cfg.loss_normalization == "global-tokens":
+        return d.world_size / global_tokens
+    return 1.0 / (micro_tokens * cfg.grad_accum_steps)
+
+
+def global_batch(cfg: RunConfig, d: Dist) -> int:
+    """Examples per optimizer step over all ranks: per-rank batch x ranks x micro-steps."""
+    return cfg.batch_size * d.world_size * cfg.grad_accum_steps
+
+
+def lr_at(cfg: RunConfig, step: int) -> float:
+    """Linear warmup from 0 to --lr over the warmup steps, then cosine decay to --min-lr at the
+    last step. Without warmup, step 1 trains at the full --lr.
+
+    A pure function of the step, identical on every rank, so it needs no saved state.
+    """
+    warmup = warmup_steps(cfg)
+    if step <= warmup:
+        return cfg.lr * step / warmup
+    peak = max(warmup, 1)  # the step that trains at the full rate, where the decay starts
+    done = (step - peak) / max(1, cfg.max_steps - peak)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(done, 1.0)))
+
+
+def make_optimizer(cfg: RunConfig, d: Dist, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    if cfg.optimizer == "sgd":
+        # Plain SGD moves weights by exactly lr x gradient: a gradient off by a factor shows at
+        # once, which is why the equivalence tests use it. (Adam divides the factor back out.)
+        kind, options = torch.optim.SGD, {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
+    else:  # fused: one kernel updates every tensor (on CPU 5x faster than the per-tensor loop here)
+        kind, options = torch.optim.AdamW, {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "fused": True}
+    if cfg.sharding == "optimizer" and d.distributed:
+        if cfg.ddp == "manual":
+            return ShardedOptimizer(params, kind, **options)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, optimizer_class=kind, **options)
+    # Under --sharding full the parameters are shards already: a plain optimizer keeps 1/N state.
+    return kind(params, **options)
+
+
+def clip_gradients(model: nn.Module, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """The norm of the whole synchronised gradient, identical on every rank; clipped to max_norm
+    when set. Under sharding the norm adds up every rank's shard, so clipping agrees everywhere."""
+    if isinstance(model, ManualFSDP):
+        norm = model.gradient_norm()
+    else:  # under fully_shard a DTensor, replicated: torch sums the shards' squares across ranks
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    if max_norm:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """The slice of a tensor this rank holds: a DTensor's local shard (fully_shard), else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+@dataclass
+class Progress:
+    """Where the run stands. Saved in every checkpoint, so a resumed run picks up exactly here."""
+
+    step: int = 0  # optimizer steps completed
+    tokens_seen: int = 0  # real (non-padding) target tokens trained on, all ranks
+    history: list[dict[str, float]] = field(default_factory=list)  # every step's loss (and val loss)
+
+
+@dataclass
+class TrainResult:
+    progress: Progress
+    tokens: int  # trained on in this attempt (a resumed run counts from its checkpoint)
+    seconds: float  # spent in training steps in this attempt
+    stopped_by: str | None  # the signal's name, when a stop request ended the run early
+    trace: list[list[Span]]  # --trace-steps: every rank's spans (rank 0 only)
+    model: nn.Module  # as trained: wrapped by DDP, or sharded
+    memory: list[dict]  # every rank's training state in bytes, measured and predicted (rank 0 only)
+
+
+def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings: dict) -> TrainResult:
+    """The training loop. `settings` (run_settings, rank 0 only) go into every checkpoint."""
+    loader, sampler = make_train_loader(kit.train, cfg, d)
+    named_params = [(n, p) for n, p in kit.model.named_parameters() if p.requires_grad]
+    stats = CommStats(named_params, compress=cfg.grad_compression == "bf16")
+    first_step = resume["progress"]["step"] if resume else 0
+    stats.timeline = timeline = start_timeline(cfg, d, [p for _, p in named_params], first_step)
+    offsets = clock_offsets(d) if timeline else []
+    predicted = predict_memory(cfg, d, kit)  # from the whole model, before any sharding
+    model = wrap_model(kit, cfg, d, stats)
+    if isinstance(model, ManualFSDP):
+        model.timeline = timeline
+    # Looked up again: torch's fully_shard replaces every parameter by a sharded one.
+    named_params = [(n, p) for n, p in kit.model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named_params]
+    optimizer = make_optimizer(cfg, d, params)
+    precision = choose_precision(cfg, d)
+    # fp16 needs loss scaling: small gradients would underflow to zero. bf16 has fp32's range.
+    scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+    progress = apply_resume_state(resume, model, named_params, optimizer, scaler, d) if resume else Progress()
+    k = cfg.grad_accum_steps
+    batch = global_batch(cfg, d)
+    steps_per_epoch = len(loader) // k
+    log(d, f"[run] {d.world_size} rank(s) x {cfg.batch_size} examples x {k} micro-step(s) = global batch {batch}")
+    log(d, f"[run] up to {batch * cfg.seq_len:,} token positions per step (a batch is padded to its longest example)")
+    log(d, f"[run] {len(sampler)} examples per rank per epoch = {steps_per_epoch} steps per epoch")
+    log(
+        d,
+        f"[run] gradient sync: {describe_gradient_sync(cfg, d)}; loss: {cfg.loss_normalization}; "
+        f"optimizer: {cfg.optimizer}, lr {cfg.lr:g} (warmup {warmup_steps(cfg)}, cosine to {cfg.min_lr:g}); "
+        f"precision {precision}",
+    )
+    if note := describe_sharding(cfg, d):
+        log(d, note)
+    if cfg.inspect:
+        print_in_rank_order(d, describe_shards(d, sampler) + describe_ownership(model, optimizer, named_params))
+
+    saved_step = progress.step if resume else None  # the step whose state is on disk
+
+    def save_state() -> None:
+        nonlocal saved_step
+        if progress.step == saved_step:  # a stop right after a save: that checkpoint is this state
+            return
+        state = training_state(d, settings, model, named_params, optimizer, scaler, progress)
+        save_training_state(cfg, d, state, progress.step)
+        saved_step = progress.step
+
+    reporter = Reporter(cfg, d, kit, progress, precision)
+    timer = PhaseTimer(cfg.time_breakdown, d.device, timeline)
+    model.train()
+    stream = steps_from(loader, sampler, k, progress.step)
+    stopped_by = None
+    while progress.step < cfg.max_steps:
+        step = progress.step + 1
+        t_step = timer.start(step)
+        fault = due_fault(cfg, d, step)
+        if fault in ("kill", "raise", "hang"):
+            crash_on_purpose(fault, d, step)
+        cpu_batches = next(stream)
+        # Count target tokens while the batch is still on the CPU: on a GPU it would be a sync.
+        micro_tokens = [int((batch[1] != IGNORE_INDEX).sum()) for batch in cpu_batches]
+        micro_batches = [tuple(t.to(d.device, non_blocking=True) for t in batch) for batch in cpu_batches]
+        timer.mark("data")
+        # One small all-reduce before any backward carries the facts every rank must share: the
+        # global token count the loss divides by, whether any rank was asked to stop, and
+        # whether rank 0's last metrics write failed.
+        global_tokens, stop_votes, failed = all_reduce_sum(
+            d, [sum(micro_tokens), STOP.signal is not None, reporter.failure is not None]
+        )
+        if failed:
+            reporter.share_failure()
+        if stop_votes:
+            stopped_by = signal.Signals(STOP.signal).name if STOP.signal else "another rank's signal"
+            break
+        timer.mark("sync")
+        inspecting = cfg.inspect and step <= INSPECT_STEPS
+        stats.local_grads = {} if inspecting else None
+        lr = lr_at(cfg, step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        loss_sum = torch.zeros((), device=d.device)
+        for i, (inputs, targets, *positions) in enumerate(micro_batches):
+            # The first k-1 micro-steps run forward *and* backward inside no_sync(): gradients
+            # accumulate in .grad with no communication; the last one all-reduces the sum.
+            with no_sync(model) if i < k - 1 else contextlib.nullcontext():
+                with autocast_for(precision, d):
+                    micro_loss = kit.loss(model, inputs, targets, *positions)
+                if fault == "nan":
+                    micro_loss = micro_loss * float("nan")
+                timer.mark("forward")
+                scaled = micro_loss * loss_scale(cfg, d, micro_tokens[i], global_tokens)
+                (scaler.scale(scaled) if scaler else scaled).backward()
+                timer.mark("backward")
+            loss_sum += micro_loss.detach()
+        finish_gradient_sync(model)
+        calls, nbytes = stats.end_step()
+        if fault == "desync":  # pretend this rank's gradient sync silently went wrong
+            named_params[0][1].grad.add_(1e-3)
+        if step == 1:
+            check_gradients_arrived(kit.model, d)
+
+        # Each rank's loss covers its own shard; the sum over ranks, divided by the global
+        # token count, is the loss of the global batch: the number the update follows.
+        local_loss_sum = loss_sum.clone()
+        if d.distributed:
+            dist.all_reduce(loss_sum)  # on the device: nothing is read back yet
+        if scaler:
+            scaler.unscale_(optimizer)  # clip and report the true gradient, not the scaled one
+        if inspecting:  # the averaged gradient as the all-reduce left it, before any clipping
+            report_inspect_step(cfg, d, step, stats, (calls, nbytes), named_params, local_loss_sum.item(), micro_tokens)
+        # The norm of the *synchronised* gradient: identical on every rank, so clipping keeps
+        # the replicas identical too.
+        norm = clip_gradients(model, params, cfg.grad_clip)
+        # The step's one read from the device (on a GPU, a wait for it): the guard below must
+        # know before the update whether the loss and gradient are finite.
+        global_loss_sum, grad_norm = torch.stack([loss_sum.float(), norm.float()]).tolist()
+        loss = global_loss_sum / global_tokens
+        timer.mark("sync")
+        # With fp16 an overflowing gradient is routine: the scaler skips that step and lowers
+        # its scale, identically on every rank. Anything else non-finite stops the run.
+        if not math.isfinite(loss) or (not math.isfinite(grad_norm) and scaler is None):
+            raise_non_finite(d, step, loss, grad_norm, local_loss_sum.item())
+        if cfg.verify_sync and step % cfg.verify_sync == 0:
+            verify_replicas_agree(d, step, "after the gradient all-reduce", trainable_grads(model, named_params))
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=False)  # in place: .grad stays a view into DDP's bucket
+        timer.mark("optimizer")
+        if cfg.verify_sync and step % cfg.verify_sync == 0:
+            state = params_and_optimizer_state(model, named_params, optimizer)
+            verify_replicas_agree(d, step, "after the optimizer step", state)
+        timer.end_step()
+
+        step_seconds = time.perf_counter() - t_step
+        progress.step = step
+        progress.tokens_seen += int(global_tokens)
+        evaluating = kit.val is not None and (step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0))
+        val = evaluate(cfg, d, kit, precision) if evaluating else {}
+        metrics = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, **val}
+        # Under --sharding full no bucket is all-reduced: the weights are gathered, the gradients scattered.
+        sent = {} if cfg.sharding == "full" and d.distributed else {"allreduce_calls": calls, "allreduce_bytes": nbytes}
+        reporter.step_done(metrics | sent, int(global_tokens), step_seconds, steps_per_epoch, timer)
+        if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.max_steps):
+            save_state()
+    if all_reduce_sum(d, [reporter.failure is not None])[0]:  # the last step's write, which no vote followed
+        reporter.share_failure()
+    if stopped_by:
+        save_state()
+    reporter.close()
+    trace = collect_trace(d, timeline, offsets) if timeline else []
+    memory = measure_memory(d, kit, model, optimizer, predicted)
+    return TrainResult(progress, reporter.tokens, reporter.seconds, stopped_by, trace, model, memory)
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. Sharding: ZeRO-1 and FSDP from scratch, beside torch's ZeroRedundancyOptimizer and fully_shard
+# ----------------------------------------------------------------------------------------------
+
+
+# Sharding. DDP keeps a whole copy of the training state on every rank: for mixed-precision
+# Adam, 16 bytes a parameter (bf16 weight and gradient, fp32 master weight and two moments),
+# so two 8 GB GPUs hold no more than one. ZeRO (Rajbhandari et al., 2019) removes the copies:
+# stage 1 shards the optimizer state, stage 3 (FSDP) the weights and gradients as well.
+# torch ships both (ZeroRedundancyOptimizer, fully_shard); here is each from scratch.
+
+# torch 2.13 renamed the two collectives of sharding (the old names now warn); older torch has only those.
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """ZeRO stage 1 from scratch: each rank keeps the optimizer state of its own parameters only.
+
+    Adam keeps two numbers for every weight: twice the weights themselves, on every rank under
+    DDP. Here, with the signature of torch's ZeroRedundancyOptimizer:
+    1. Whole parameters are dealt out to ranks, largest first, each to the rank holding the
+       fewest numbers so far. An inner optimizer on each rank sees only that rank's share, so
+       it allocates state for about 1/N of the model.
+    2. step(): the gradients are already averaged (DDP's all-reduce ran as usual), so each
+       rank updates its own parameters exactly as an unsharded optimizer would.
+    3. Each parameter is broadcast from its owner: every rank again holds the same weights.
+    """
+
+    def __init__(self, params: Iterator[nn.Parameter], optimizer_class: type, **defaults: object) -> None:
+        super().__init__(params, defaults)
+        self.rank, world = dist.get_rank(), dist.get_world_size()
+        trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        load = [0] * world
+        self.owner: dict[nn.Parameter, int] = {}
+        for p in sorted(trainable, key=lambda p: -p.numel()):  # a stable sort: every rank deals the same hand
+            self.owner[p] = load.index(min(load))
+            load[self.owner[p]] += p.numel()
+        mine = [
+            {**_options(group), "params": [p for p in group["params"] if self.owner.get(p) == self.rank]}
+            for group in self.param_groups
+        ]
+        self.optim = optimizer_class(mine, **defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:  # as a torch optimizer: recompute the loss (and its gradients) first
+            with torch.enable_grad():
+                loss = closure()
+        for outer, inner in zip(self.param_groups, self.optim.param_groups, strict=True):
+            inner.update(_options(outer))  # a changed lr (the schedule) reaches the inner optimizer
+        self.optim.step()
+        for work in [dist.broadcast(p.data, src=owner, async_op=True) for p, owner in self.owner.items()]:
+            work.wait()
+        return loss
+
+    def state_dict(self, to: int | None = None, group: dist.ProcessGroup | None = None) -> dict:
+        """The full state, exactly as an unsharded optimizer_class would return it. A collective:
+        every rank calls it, and every rank receives the whole state; or, with `to`, that rank
+        alone (the others get {}), as a checkpoint wants: every rank holding all of it is
+        what ZeRO-1 exists to avoid. `group`: a Gloo group, to keep the state off the GPUs."""
+        index, inner = self._global_index(), self.optim.state_dict()
+        mine = [p for group in self.optim.param_groups for p in group["params"]]
+        local = {
+            index[p]: {k: v.cpu() if torch.is_tensor(v) else v for k, v in inner["state"][i].items()}
+            for i, p in enumerate(mine)
+            if i in inner["state"]
+        }
+        shares: list[dict] = [{} for _ in range(dist.get_world_size())]
+        if to is None:
+            dist.all_gather_object(shares, local, group=group)
+        else:
+            dist.gather_object(local, shares if self.rank == to else None, dst=to, group=group)
+            if self.rank != to:
+                return {}
+        groups = [
+            {**_options(ig), "params": [index[p] for p in og["params"]]}
+            for og, ig in zip(self.param_groups, inner["param_groups"], strict=True)
+        ]
+        return {"state": dict(sorted((i, s) for share in shares for i, s in share.items())), "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Take a full state (this class's, or an unsharded optimizer's): each rank keeps its share."""
+        index, groups, state, i = self._global_index(), [], {}, 0
+        for outer, saved, inner in zip(
+            self.param_groups, state_dict["param_groups"], self.optim.param_groups, strict=True
+        ):
+            outer.update({k: v for k, v in _options(saved).items() if k in outer})
+            ids = list(range(i, i + len(inner["params"])))
+            i += len(ids)
+            state |= {
+                j: state_dict["state"][index[p]]
+                for j, p in zip(ids, inner["params"], strict=True)
+                if index[p] in state_dict["state"]
+            }
+            groups.append({**_options(saved), "params": ids})
+        self.optim.load_state_dict({"state": state, "param_groups": groups})
+
+    def _global_index(self) -> dict[nn.Parameter, int]:
+        return {p: i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
+
+
+def _options(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+@dataclass(eq=False)
+class Unit:
+    """A module whose own parameters are gathered together before it runs, and freed after."""
+
+    module: nn.Module
+    params: list[nn.Parameter]
+    trainable: list[nn.Parameter]
+    gathering: list[tuple[dist.Work, torch.Tensor]] | None = None  # an all-gather in flight
+    full: bool = False  # the parameters hold their whole weights now
+    arrived: set[nn.Parameter] = field(default_factory=set)  # gradients ready in this backward
+    scattering: list[tuple[nn.Parameter, dist.Work, torch.Tensor]] = field(default_factory=list)
+    settled: list[tuple[nn.Parameter, torch.Tensor]] = field(default_factory=list)  # averaged shard gradients
+
+
+class ManualFSDP(WrapperThatSyncs):
+    """FSDP (ZeRO stage 3) from scratch: each rank stores 1/N of every weight, gradient and moment.
+
+    A *unit* is a module whose parameters are made whole together. For each parameter p of a unit:
+    1. Between steps p.data is this rank's shard: p flattened, zero-padded to a multiple of N,
+       cut in N pieces; rank r keeps piece r. The optimizer (any torch optimizer) sees only
+       shards, so its state is 1/N of the model too.
+    2. Before the unit's forward: all-gather the pieces into the whole weight (p.data = whole).
+       While the unit computes, the next unit's all-gather is already in flight (prefetch).
+    3. After its forward: p.data = the shard again, and the whole weight is freed. Autograd
+       saved p itself, not a copy: backward will use whatever p.data holds by then. (The root
+       unit's forward encloses all the others: it stays whole until its forward ends.)
+    4. Before its backward (a hook on its output's gradient): gather again, and prefetch the
+       unit whose backward comes next.
+    5. As its last gradient arrives: reduce-scatter. Each rank receives the sum over ranks of
+       its own piece of the gradient only; the whole gradient is freed.
+    6. finish_gradient_sync(): wait for the reduce-scatters and divide by N: p.grad is the
+       averaged gradient of p's shard, shaped like p.data.
+    Parameters outside every unit stay whole on every rank; their gradients are averaged as DDP does.
+    """
+
+    def __init__(
+        self, module: nn.Module, d: Dist, units: list[nn.Module], param_dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__(module)
+        self.world, self.rank, self.param_dtype = d.world_size, d.rank, param_dtype
+        with torch.no_grad():  # start equal, as DDP does
+            for t in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(t, src=0)
+        owner = innermost_units(module, units)
+        self.units = []
+        for u in units:
+            mine = [p for p in u.parameters() if owner[p] is u]
+            self.units.append(Unit(u, mine, [p for p in mine if p.requires_grad]))
+        self.replicated = [p for p in module.parameters() if p not in owner and p.requires_grad]
+        self.shape = {p: p.shape for p in owner}
+        self.shard = {p: self._cut(p) for p in owner}  # the master weights: p.data points here between steps
+        self.held: dict[nn.Parameter, torch.Tensor] = {}  # whole gradients accumulated under no_sync()
+        self.shard_grads: dict[nn.Parameter, torch.Tensor] = {}  # p.grad, set aside while p is whole
+        self.forward_order: list[Unit] = []  # learned in the first step; prefetch follows it
+        self.finish_order: list[Unit] = []  # units in the order their forwards end: backward runs it in reverse
+        self.order_known = False
+        self.gloo = dist.get_backend() == "gloo"
+        self.timeline: Timeline | None = None  # --trace-steps: each all-gather and reduce-scatter becomes a span
+        for unit in self.units:
+            for p in unit.params:
+                p.data = self.shard[p]
+            unit.module.register_forward_pre_hook(functools.partial(self._before_forward, unit))
+            unit.module.register_forward_hook(functools.partial(self._after_forward, unit))
+            for p in unit.trainable:
+                p.register_post_accumulate_grad_hook(functools.partial(self._gradient_ready, unit))
+
+    def _cut(self, t: torch.Tensor) -> torch.Tensor:
+        size = math.ceil(t.numel() / self.world)
+        padded = torch.zeros(size * self.world, dtype=t.dtype, device=t.device)
+        padded[: t.numel()] = t.detach().reshape(-1)
+        return padded[self.rank * size : (self.rank + 1) * size].clone()
+
+    # -- whole weights: all-gather before a unit runs, back to shards after
+    def _start_gather(self, unit: Unit) -> None:
+        if unit.full or unit.gathering is not None:
+            return
+        unit.gathering = []
+        for p in unit.params:
+            piece = self.shard[p].to(self.param_dtype or p.dtype)
+            whole = torch.empty(piece.numel() * self.world, dtype=piece.dtype, device=piece.device)
+            unit.gathering.append((all_gather_single(whole, piece, async_op=True), whole))
+        self._trace("all-gather", [work for work, _ in unit.gathering], unit)
+
+    def _gather(self, unit: Unit) -> None:
+        self._start_gather(unit)
+        if unit.full:
+            return
+        for p, (work, whole) in zip(unit.params, unit.gathering, strict=True):
+            work.wait()
+            if p.grad is not None:  # a shard's gradient does not fit the whole weight: set it aside
+                self.shard_grads[p] = p.grad
+                p.grad = None
+            p.data = whole[: math.prod(self.shape[p])].view(self.shape[p])
+        unit.gathering, unit.full = None, True
+
+    def _reshard(self, unit: Unit) -> None:
+        if not unit.full:
+            return
+        for p in unit.params:
+            p.data = self.shard[p]
+            if p in self.shard_grads:
+                p.grad = self.shard_grads.pop(p)
+        unit.full = False
+
+    def _prefetch(self, order: list[Unit], unit: Unit, ahead: int) -> None:
+        if self.order_known and unit in order and 0 <= (i := order.index(unit) + ahead) < len(order):
+            self._start_gather(order[i])
+
+    # -- the hooks
+    def _before_forward(self, unit: Unit, module: nn.Module, args: tuple) -> tuple:
+        if not self.order_known and unit not in self.forward_order:
+            self.forward_order.append(unit)
+        self._gather(unit)
+        self._prefetch(self.forward_order, unit, +1)
+        if not torch.is_grad_enabled() or not any(torch.is_tensor(a) and a.requires_grad for a in args):
+            return args  # no backward will pass here (the root's inputs are token ids): reshard at the end
+        # The gradient reaches the unit's inputs last of all its backward: then it can be freed.
+        return _AfterBackward.apply(functools.partial(self._reshard, unit), *args)
+
+    def _after_forward(self, unit: Unit, module: nn.Module, args: tuple, output: object) -> None:
+        if not self.order_known and unit not in self.finish_order:
+            self.finish_order.append(unit)
+        needs_grad = [t for t in tensors_in(output) if t.requires_grad]
+        if needs_grad:
+            hook = functools.partial(self._before_backward, unit)
+            torch.autograd.graph.register_multi_grad_hook(needs_grad, hook, mode="any")
+        self._reshard(unit)
+
+    def _before_backward(self, unit: Unit, grad: torch.Tensor) -> None:
+        self._gather(unit)
+        self._prefetch(self.finish_order, unit, -1)
+
+    @torch.no_grad()
+    def _gradient_ready(self, unit: Unit, p: nn.Parameter) -> None:
+        grad = p.grad if p not in self.held else self.held.pop(p) + p.grad
+        p.grad = None  # the whole gradient leaves .grad: only the shard's will come back there
+        if not self.require_sync:  # inside no_sync(): keep the whole gradient until the last micro-step
+            self.held[p] = grad
+            return
+        unit.arrived.add(p)
+        shard = self.shard[p]
+        padded = grad.reshape(-1).to(shard.dtype)  # summed in the master dtype (fp32), not param_dtype
+        if padded.numel() < shard.numel() * self.world:
+            padded = F.pad(padded, (0, shard.numel() * self.world - padded.numel()))
+        if self.gloo:  # Gloo has no reduce-scatter of its own: torch runs this all-reduce and keeps
+            # this rank's piece (pytorch#118911); done here openly, the timeline can time it too.
+            work, mine = dist.all_reduce(padded, async_op=True), padded.view(self.world, -1)[self.rank]
+        else:
+            mine = torch.empty_like(shard)
+            work = reduce_scatter_single(mine, padded, async_op=True)
+        unit.scattering.append((p, work, mine))
+        self._trace("reduce-scatter", [work], unit)
+        if len(unit.arrived) == len(unit.trainable):
+            # This unit's gradients are all on the wire: settle the units before it. Each
+            # reduce-scatter holds a whole, padded gradient until it ends; settling them as we
+            # go keeps about one unit's in flight, not the whole model's, as FSDP does.
+            for other in self.units:
+                if other is not unit:
+                    self._settle(other)
+
+    def _settle(self, unit: Unit) -> None:
+        for p, work, summed in unit.scattering:
+            work.wait()
+            unit.settled.append((p, summed / self.world))  # reduce-scatter summed; the contract is the average
+        unit.scattering = []  # the whole, padded gradients are freed
+
+    def _trace(self, name: str, works: list[dist.Work], unit: Unit) -> None:
+        if self.timeline is not None and self.timeline.on:
+            arrivals = torch.futures.collect_all([work.get_future() for work in works])
+            self.timeline.collective(name, arrivals, {"unit": self.units.index(unit), "tensors": len(works)})
+
+    def finish_gradient_sync(self) -> None:
+        self.order_known = True
+        replicated = [dist.all_reduce(p.grad, async_op=True) for p in self.replicated if p.grad is not None]
+        for unit in self.units:
+            if len(unit.arrived) < len(unit.trainable):
+                names = {q: n for n, q in self.module.named_parameters()}
+                missing = [names[q] for q in unit.trainable if q not in unit.arrived]
+                raise TrainingError(f"a sharded unit's gradient never arrived: no gradient for {', '.join(missing)}")
+            self._settle(unit)
+            self._reshard(unit)
+            for p, mine in unit.settled:
+                p.grad = mine if p.grad is None else p.grad.add_(mine)
+            unit.settled, unit.arrived = [], set()
+        for work in replicated:
+            work.wait()
+        for p in self.replicated:
+            if p.grad is not None:
+                p.grad.div_(self.world)
+
+    def gradient_norm(self) -> torch.Tensor:
+        """The 2-norm of the whole averaged gradient: each rank adds the squares of its shards
+        (the padding is zero), rank 0 those of the replicated parameters; one all-reduce sums them."""
+        grads = [p.grad for unit in self.units for p in unit.trainable if p.grad is not None]
+        grads += [p.grad for p in self.replicated if p.grad is not None and self.rank == 0]
+        device = next(self.module.parameters()).device
+        total = sum((g.float().square().sum() for g in grads), torch.zeros((), device=device))
+        dist.all_reduce(total)
+        return total.sqrt()
+
+    def whole(self, p: nn.Parameter, shard: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole of p (or of a tensor cut like p, such as its Adam moment), in the master dtype.
+        A collective for a sharded parameter: every rank calls it, every rank receives it."""
+        if p not in self.shard:
+            return p.detach() if shard is None else shard
+        shard = self.shard[p] if shard is None else shard
+        whole = torch.empty(shard.numel() * self.world, dtype=shard.dtype, device=shard.device)
+        all_gather_single(whole, shard.contiguous())
+        return whole[: math.prod(self.shape[p])].view(self.shape[p])
+
+    def cut(self, p: nn.Parameter, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a whole tensor shaped like p (to load a checkpoint into shards)."""
+        return self._cut(whole.to(self.shard[p].device)) if p in self.shard else whole
+
+
+class _AfterBackward(torch.autograd.Function):
+    """The identity on a unit's inputs, whose backward runs once the unit's backward is done."""
+
+    @staticmethod
+    def forward(ctx: object, done: Callable[[], None], *inputs: object) -> tuple:
+        ctx.done = done
+        return inputs
+
+    @staticmethod
+    def backward(ctx: object, *grads: torch.Tensor) -> tuple:
+        ctx.done()
+        return (None, *grads)
+
+
+def tensors_in(output: object) -> list[torch.Tensor]:
+    if torch.is_tensor(output):
+        return [output]
+    if isinstance(output, dict):
+        output = list(output.values())
+    return [t for item in output for t in tensors_in(item)] if isinstance(output, (tuple, list)) else []
+
+
+def innermost_units(module: nn.Module, units: list[nn.Module]) -> dict[nn.Parameter, nn.Module]:
+    """Each parameter belongs to the innermost unit that contains it."""
+    owner: dict[nn.Parameter, nn.Module] = {}
+    for unit in sorted(units, key=lambda u: -sum(1 for _ in u.modules())):  # outermost first, inner ones overwrite
+        for p in unit.parameters():
+            if p in owner and not any(m is unit for m in owner[p].modules()):
+                raise ValueError("a parameter is shared by two units, neither inside the other: put them in one unit")
+            owner[p] = unit
+    return owner
+
+
+def shard_fully(kit: ModelKit, cfg: RunConfig, d: Dist) -> nn.Module:
+    """FSDP units: each Transformer block, then the rest (embeddings, final norm, head) as the root
+    unit. Tied embedding and head weights are one tensor, so they must share a unit: the root."""
+    units = [*kit.blocks, kit.trained]
+    if cfg.ddp == "manual":
+        return ManualFSDP(kit.trained, d, units)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    # A device mesh says which ranks share the shards: here all of them, on this device type
+    # (given explicitly: on a CPU, fully_shard would otherwise look for a GPU).
+    mesh = init_device_mesh(d.device.type, (d.world_size,))
+    for unit in units:  # inner units first: each takes its own parameters, the root what is left
+        fully_shard(unit, mesh=mesh)
+    # FSDP2 warns that a unit returned a view, which an in-place op could detach from its
+    # all-gather; this script never modifies a model's output in place.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+    return kit.trained
+
+
+@contextlib.contextmanager
+def fsdp_no_sync(model: nn.Module) -> Iterator[None]:
+    # FSDP2 then keeps whole (unsharded) gradients until the micro-step that syncs: memory for silence.
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+# ==============================================================================================
+# Everything above is the DDP you came to read: settings, ranks, data, model, gradient sync, the
+# training loop, sharding. A reader who came for DDP may stop here.
+#
+# Everything below makes the script production-grade: the command line, the launcher for machines
+# without torchrun, chat data and pretrained models (tokenizers, chat templates, LoRA), the checks a
+# learner turns on (--verify-sync, --inspect, the timeline), precision, faults and stop requests,
+# evaluation, metrics, plots, the trace, the memory table, checkpoints and resume, locks, and main().
+# ==============================================================================================
+
+
+# ----------------------------------------------------------------------------------------------
+# 8. Command line: argparse fills the RunConfig, and refuses what cannot run
+# ----------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -269,6 +1678,8 @@ def _name_list(text: str) -> tuple[str, ...]:
 
 # --model qwen, the first name of the pretrained path, stays a working spelling of --model hf.
 MODEL_ALIASES = {"qwen": "hf"}
+
+
 PRETRAINED_GROUP = "pretrained model (--model hf)"
 
 
@@ -581,141 +1992,8 @@ def pretrained_flags_given(argv: list[str] | None) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------
-# 2-3. Launch and connect: rank facts from torchrun's environment, then the process group
+# 9. Launcher: ranks started without torchrun (--nproc), and meetings with no deadline
 # ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Dist:
-    """Everything this process knows about its place in the job."""
-
-    rank: int  # 0 .. world_size-1, unique across all machines
-    local_rank: int  # 0 .. local_world_size-1 on this machine: picks the GPU
-    world_size: int
-    local_world_size: int
-    device: torch.device
-    backend: str | None  # None: a plain single process, no process group
-    why: str  # the reason for the backend/device choice, printed at start
-    control: dist.ProcessGroup | None = None  # Gloo group for host numbers under NCCL (None: the default group)
-    store: dist.Store | None = None  # the rendezvous key-value store the ranks met in
-    launch: str | None = None  # this torchrun launch, the same in all its restarts (see launch_token)
-
-    @classmethod
-    def from_process_group(cls) -> Dist:
-        """This process's place in a process group already started: for using ManualDDP,
-        ShardedOptimizer or ManualFSDP in a script of your own."""
-        backend = dist.get_backend()
-        cuda = backend == "nccl"
-        return cls(
-            rank=dist.get_rank(),
-            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-            world_size=dist.get_world_size(),
-            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
-            device=torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
-            backend=backend,
-            why="a process group started by the caller",
-        )
-
-    @property
-    def is_main(self) -> bool:
-        # Decisions "only one process does this" use the global rank: LOCAL_RANK 0 exists
-        # once per machine, so testing it would make every machine write the checkpoint.
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.backend is not None
-
-
-def launched_by_torchrun() -> bool:
-    return "RANK" in os.environ or "WORLD_SIZE" in os.environ
-
-
-def rank_facts_from_env() -> tuple[int, int, int, int]:
-    """(rank, world size, local rank, local world size) as torchrun exported them, checked.
-
-    A leftover `export RANK=...` or a hand-made launch can set them inconsistently; that gets
-    one line now, not a ValueError from init_process_group or a wait for ranks that never come.
-    """
-    env = os.environ
-    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-    shown = ", ".join(f"{n}={env[n]}" for n in names if n in env)
-    fix = "launch with torchrun (it sets them all), or unset them to run one process"
-    try:
-        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-        local_rank = int(env.get("LOCAL_RANK", "0"))
-        local_world = int(env.get("LOCAL_WORLD_SIZE", str(world)))
-    except (KeyError, ValueError):
-        raise UsageError(f"rank variables incomplete or not integers ({shown}): {fix}") from None
-    if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
-        raise UsageError(f"rank variables are inconsistent ({shown}): {fix}")
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
-        raise UsageError(f"{shown} are set but MASTER_ADDR or MASTER_PORT is not: {fix}")
-    return rank, world, local_rank, local_world
-
-
-def choose_backend_and_device(cfg: RunConfig, local_rank: int, local_world: int) -> tuple[str, torch.device, str]:
-    cuda = torch.cuda.is_available()
-    if cfg.backend == "nccl":
-        if cfg.cpu:
-            raise UsageError("--backend nccl needs GPUs but --cpu was given; use --backend gloo")
-        if not cuda:
-            raise UsageError("--backend nccl needs CUDA, and torch sees no CUDA device; use --backend gloo")
-        if not dist.is_nccl_available():
-            raise UsageError("--backend nccl: this torch build has no NCCL (it ships on Linux only)")
-    use_cuda = cuda and not cfg.cpu
-    if use_cuda and local_world > torch.cuda.device_count():
-        raise UsageError(
-            f"{local_world} ranks on this machine but only {torch.cuda.device_count()} GPU(s); "
-            "lower --nproc_per_node or add --cpu"
-        )
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if cfg.backend != "auto":
-        return cfg.backend, device, f"--backend {cfg.backend} was asked for"
-    if use_cuda and sys.platform.startswith("linux"):
-        return "nccl", device, "CUDA is available on Linux: NCCL is the fast GPU collective library"
-    if use_cuda:
-        return "gloo", device, f"NCCL is Linux-only and this is {sys.platform}: Gloo (it reduces CUDA tensors too)"
-    why = "--cpu was given" if cfg.cpu else "no CUDA device"
-    return "gloo", device, f"{why}: Gloo runs the collectives on CPU"
-
-
-def setup_distributed(cfg: RunConfig) -> Dist:
-    """Read the rank facts torchrun exported and join the process group (or stay single)."""
-    if not launched_by_torchrun():
-        use_cuda = torch.cuda.is_available() and not cfg.cpu
-        device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
-        return Dist(0, 0, 1, 1, device, None, "not launched by torchrun: one process, no process group")
-    rank, world, local_rank, local_world = rank_facts_from_env()
-    backend, device, why = choose_backend_and_device(cfg, local_rank, local_world)
-    if "TORCHELASTIC_RUN_ID" not in os.environ and local_rank == 0:  # a hand-made launch: say what it waits for
-        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-        print(f"[connect] not started by torchrun: waiting up to {cfg.timeout_s:g} s for {world} ranks at {where}")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # before any CUDA work, so rank r never touches GPU 0
-    # The timeout bounds every collective, so a rank that stops answering fails the job
-    # instead of hanging it.
-    timeout = timedelta(seconds=cfg.timeout_s)
-    try:
-        agent_store, launch = rendezvous_store(timeout)
-        dist.init_process_group(
-            backend=backend,
-            store=agent_store,
-            rank=rank,
-            world_size=world,
-            timeout=timeout,
-            device_id=device if device.type == "cuda" else None,
-        )
-    except (RuntimeError, ValueError) as e:  # DistStoreError and friends are RuntimeErrors
-        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-        raise TrainingError(
-            f"rank {rank} of {world} could not join the process group at {where}: {first_line(e)}"
-        ) from None
-    # Under NCCL a second, Gloo group carries the step's host numbers (token counts, stop votes).
-    control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
-    # Without torchrun's agent store, torch built one from MASTER_ADDR/PORT: take that one.
-    store = agent_store or dist.distributed_c10d._get_default_store()
-    return Dist(rank, local_rank, world, local_world, device, backend, why, control, store, launch)
 
 
 # PyTorch's Windows wheels are built without libuv, which its TCPStore uses by default elsewhere.
@@ -793,6 +2071,8 @@ def launch_local_ranks(cfg: RunConfig, argv: list[str]) -> int:
 
 
 LAUNCHER_PIPE = "LLM_DDP_LAUNCHER_PIPE"  # set by --nproc: the rank's stdin is a pipe from its launcher
+
+
 LAUNCHER_GONE_GRACE_S = 60.0
 
 
@@ -864,15 +2144,6 @@ def launch_without_agent_store() -> str | None:
     return f"{run_id}@{socket.gethostname()}:{os.getppid()}" if run_id is not None else None
 
 
-def teardown_distributed() -> None:
-    if dist.is_available() and dist.is_initialized():
-        # DDP's reducer and the gradient hooks hold the process group in reference cycles;
-        # collect them while the interpreter is fully alive. Left to interpreter shutdown,
-        # Gloo's threads can still own tensors then, and the process aborts (pytorch#179291).
-        gc.collect()
-        dist.destroy_process_group()
-
-
 def meet_without_deadline(d: Dist, name: str, problem: str) -> str:
     """Wait, for as long as it takes, until every rank gets here; return the first problem any
     rank brought ('' if none).
@@ -889,42 +2160,9 @@ def meet_without_deadline(d: Dist, name: str, problem: str) -> str:
     return d.store.get(failed).decode() if d.store.check([failed]) else ""
 
 
-def all_reduce_sum(d: Dist, values: list[float]) -> list[float]:
-    """Sum a few host numbers over all ranks (a collective: every rank must call it).
-
-    They travel on the CPU, through Gloo (d.control): under NCCL they would have to be copied
-    to the GPU and read back, and that read waits for all the GPU work queued before it.
-    """
-    if not d.distributed:
-        return list(values)
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=d.control)
-    return t.tolist()
-
-
-def say(message: str) -> None:
-    """Print a line on stdout without breaking a progress bar drawn on stderr."""
-    tqdm.write(message, file=sys.stdout)
-    sys.stdout.flush()
-
-
-def log(d: Dist, message: str) -> None:
-    if d.is_main:
-        say(message)
-
-
 # ----------------------------------------------------------------------------------------------
-# 4. Shard: corpus lines or records -> fixed-length examples -> a DistributedSampler slice per rank
+# 10. Records: .jsonl schemas, chat templates and assistant-only targets, packing
 # ----------------------------------------------------------------------------------------------
-
-
-def read_corpus_lines(path: Path) -> list[str]:
-    """One training sample per line; blank lines are skipped."""
-    lines = [line.strip() for line in read_text_file(path).split("\n")]
-    lines = [line for line in lines if line]
-    if not lines:
-        raise UsageError(f"corpus file has no non-blank lines: {path}")
-    return lines
 
 
 # The corpus file: a .txt file holds one text sample per line; a .jsonl file holds one JSON
@@ -932,7 +2170,11 @@ def read_corpus_lines(path: Path) -> list[str]:
 # Every record becomes text, a conversation, or a prompt with its completion.
 
 DATA_FORMATS = ("auto", "text", "messages", "prompt-completion", "sharegpt", "alpaca")
+
+
 ROLES = ("system", "user", "assistant")
+
+
 SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant"}
 
 
@@ -1057,95 +2299,6 @@ def parse_record(obj: dict, fmt: str, where: str) -> Record:
 
 def describe_records(fmt: str) -> str:
     return "lines" if fmt == "text" else f"{fmt} records"
-
-
-@dataclass(frozen=True)
-class Examples(Dataset):
-    """Token tensors built once, up front. Row i is one example: inputs[i] predicts targets[i]."""
-
-    inputs: torch.Tensor  # (N, T) int64
-    targets: torch.Tensor  # (N, T) int64, IGNORE_INDEX on padding
-    # (N,) int64: UTF-8 bytes of text the targets spell out (a line's end counts as one byte).
-    # Loss per byte compares models whose tokens differ: a byte-level model and Qwen's BPE.
-    target_bytes: torch.Tensor
-    # (N, T) int64 for packed rows: each example's positions restart at 0 (see pack_rows)
-    positions: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return self.inputs.shape[0]
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
-        if self.positions is None:
-            return self.inputs[i], self.targets[i]
-        return self.inputs[i], self.targets[i], self.positions[i]
-
-    def set_epoch(self, epoch: int) -> None:
-        """Fixed examples: only the sampler's order changes between epochs."""
-
-    def digest(self) -> str:
-        tensors = [self.inputs, self.targets] + ([self.positions] if self.positions is not None else [])
-        return sha256(b"".join(t.numpy().tobytes() for t in tensors))
-
-
-def packed_stream(lines: list[str]) -> bytes:
-    """The lines as one byte stream, each framed by newlines (b"\n" + line + b"\n", sharing them)."""
-    return b"\n" + b"\n".join(line.encode("utf-8") for line in lines) + b"\n"
-
-
-class ShiftingWindows(Dataset):
-    """Packed training data: one byte stream, cut into seq_len windows at an offset that moves
-    every epoch. Every window is full: no compute goes to padding.
-
-    A cut that never moved would put each byte at the same position of the same window in
-    every epoch, and a small model then memorizes "this byte at that position" instead of the
-    text, and fails on the same text anywhere else (as when sampling from a prompt). The offset
-    comes from --seed and the epoch: the same on every rank, and the same again on resume.
-    """
-
-    def __init__(self, lines: list[str], seq_len: int, seed: int) -> None:
-        self.stream = torch.frombuffer(bytearray(packed_stream(lines)), dtype=torch.uint8)  # 1 byte a token until used
-        self.seq_len, self.seed, self.offset = seq_len, seed, 0
-
-    def __len__(self) -> int:
-        return max(0, (len(self.stream) - 1) // self.seq_len - 1)  # windows that fit at any offset
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        start = self.offset + i * self.seq_len
-        window = self.stream[start : start + self.seq_len + 1].long()
-        return window[:-1], window[1:]
-
-    def set_epoch(self, epoch: int) -> None:
-        generator = torch.Generator().manual_seed(self.seed + epoch)
-        self.offset = int(torch.randint(self.seq_len, (), generator=generator))
-
-    def digest(self) -> str:
-        return sha256(self.stream.numpy().tobytes() + str(self.seq_len).encode())
-
-
-def encode_lines_as_bytes(lines: list[str], seq_len: int, pack: bool) -> Examples:
-    """Byte-level examples. Every line is framed by newlines: b"\n" + line + b"\n".
-
-    The opening newline is the "start of line" the first byte is predicted from; the closing
-    newline teaches the model where a line ends (and where sampling stops).
-
-    pack=True: the framed lines form one stream, cut into windows of seq_len targets (only
-      the last is padded). Validation uses these fixed windows; training cuts the same stream
-      at a moving offset (ShiftingWindows).
-    pack=False: one line per example, right-padded. Real token counts then differ between
-      examples, between ranks and between micro-steps, which is what makes the choice of
-      loss normalization matter (see loss_scale).
-    Either way, a span longer than seq_len is cut into windows that overlap by one byte, so
-    every byte is a target exactly once; padded positions get IGNORE_INDEX.
-    """
-    spans = [packed_stream(lines)] if pack else [b"\n" + line.encode("utf-8") + b"\n" for line in lines]
-    windows = [span[start : start + seq_len + 1] for span in spans for start in range(0, len(span) - 1, seq_len)]
-    inputs = torch.zeros(len(windows), seq_len, dtype=torch.long)
-    targets = torch.full((len(windows), seq_len), IGNORE_INDEX, dtype=torch.long)
-    for i, w in enumerate(windows):
-        ids = torch.frombuffer(bytearray(w), dtype=torch.uint8).long()
-        inputs[i, : len(ids) - 1] = ids[:-1]
-        targets[i, : len(ids) - 1] = ids[1:]
-    return Examples(inputs, targets, (targets != IGNORE_INDEX).sum(dim=1))
 
 
 @dataclass(frozen=True)
@@ -1516,37 +2669,6 @@ def show_examples(cfg: RunConfig, d: Dist, records: list[Record]) -> None:
         say("".join(f"[[{text}]]" if target else text for text, target in runs))
 
 
-def split_lines(lines: list, val_fraction: float, seed: int) -> tuple[list, list]:
-    """Hold out a fraction of the lines (or records) for validation: the same ones on every rank.
-
-    The split comes from a generator seeded by --seed alone (not by the rank), so all ranks
-    agree on it without talking; a rank-dependent split would leak held-out lines into
-    another rank's training data.
-    """
-    n_val = max(1, round(len(lines) * val_fraction)) if val_fraction else 0
-    if n_val >= len(lines):
-        raise UsageError(
-            f"corpus too small: {len(lines)} line(s) cannot be split into training and validation lines "
-            f"(--val-fraction {val_fraction}); add lines or pass --val-fraction 0"
-        )
-    order = torch.randperm(len(lines), generator=torch.Generator().manual_seed(seed)).tolist()
-    held_out = set(order[:n_val])
-    train = [line for i, line in enumerate(lines) if i not in held_out]
-    val = [line for i, line in enumerate(lines) if i in held_out]
-    return train, val
-
-
-def trim_padding(batch: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
-    """Stack a batch (inputs, targets[, positions]), then cut the columns after its last target:
-    a batch is padded only as far as its longest example needs. Padding sits on the right, and
-    causal attention never lets a real position look right, so the cut changes no output that
-    counts; it only saves compute."""
-    columns = [torch.stack(column) for column in zip(*batch, strict=True)]
-    used = (columns[1] != IGNORE_INDEX).any(dim=0).nonzero()
-    width = int(used.max()) + 1 if len(used) else columns[1].shape[1]
-    return tuple(c[:, :width].contiguous() for c in columns)
-
-
 def flatten_rows(batch: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
     """The micro-batch's packed rows laid end to end as one row, position_ids restarting at 0 for
     each example (transformers' flattening collator does the same).
@@ -1559,138 +2681,9 @@ def flatten_rows(batch: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, .
     return tuple(t.reshape(1, -1) for t in trim_padding(batch))
 
 
-def collate_for(cfg: RunConfig) -> Callable[[list], tuple[torch.Tensor, ...]]:
-    """How a micro-batch is stacked. Under sdpa and eager, packed rows stay rows: transformers builds
-    each row a block-diagonal causal mask from its position_ids, and one long row would make that
-    mask (and attention's work) grow with the square of the whole micro-batch."""
-    flash = cfg.model == "hf" and cfg.pack and cfg.attn_implementation.startswith("flash_attention")
-    return flatten_rows if flash else trim_padding
-
-
-def make_train_loader(
-    dataset: Examples | ShiftingWindows, cfg: RunConfig, d: Dist
-) -> tuple[DataLoader, DistributedSampler]:
-    # Every rank builds the same permutation (same seed, same epoch) and keeps every
-    # world_size-th index starting at its rank: disjoint shards that together cover the data.
-    # drop_last trims the permutation to a multiple of world_size instead of padding it with
-    # repeats, so no example is trained twice in an epoch.
-    sampler = DistributedSampler(
-        dataset, num_replicas=d.world_size, rank=d.rank, shuffle=True, seed=cfg.seed, drop_last=True
-    )
-    per_step = cfg.batch_size * cfg.grad_accum_steps
-    if len(sampler) < per_step:
-        raise UsageError(
-            f"corpus too small: {len(dataset)} examples give each of {d.world_size} rank(s) "
-            f"{len(sampler)} per epoch, fewer than one step's {per_step} (--batch-size x --grad-accum-steps); "
-            "use a larger corpus, smaller batches or fewer ranks"
-        )
-    loader = DataLoader(
-        dataset,
-        batch_size=cfg.batch_size,
-        sampler=sampler,
-        drop_last=True,  # equal batch counts on every rank, so no rank waits in an all-reduce alone
-        collate_fn=collate_for(cfg),
-        pin_memory=d.device.type == "cuda",
-        # Each iter(loader) draws a seed for its workers. From the global RNG, that draw would
-        # shift the dropout stream, and a resumed run (which starts its epoch's iterator where
-        # an uninterrupted one did not) would drop different units: resume would not be exact.
-        generator=torch.Generator().manual_seed(cfg.seed),
-    )
-    return loader, sampler
-
-
-def steps_from(loader: DataLoader, sampler: DistributedSampler, k: int, start_step: int) -> Iterator[list]:
-    """Yield each optimizer step's k micro-batches, across epochs, starting at `start_step`.
-
-    An epoch is len(loader) // k steps (a leftover of fewer than k batches is dropped), so a
-    step number alone says where the run is: epoch = step // steps_per_epoch. A resumed run
-    rebuilds the same epoch permutation and skips the batches it has already trained on.
-    """
-    steps_per_epoch = len(loader) // k
-    epoch, skip = divmod(start_step, steps_per_epoch)
-    while True:
-        # Without set_epoch every epoch would replay epoch 0's order. The epoch number must
-        # be the same on all ranks, or their shards would overlap.
-        sampler.set_epoch(epoch)
-        loader.dataset.set_epoch(epoch)
-        batches = iter(loader)
-        for _ in range(skip * k):
-            next(batches)
-        for _ in range(steps_per_epoch - skip):
-            yield [next(batches) for _ in range(k)]
-        epoch, skip = epoch + 1, 0
-
-
 # ----------------------------------------------------------------------------------------------
-# 5. Models: a byte-level causal Transformer trained from scratch
+# 11. Pretrained models: Qwen2.5, Llama, Gemma, Mistral, Phi-3 with LoRA; the tiny model's checkpoint and size check
 # ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TinyConfig:
-    vocab_size: int = 256  # one id per byte
-    seq_len: int = 128
-    d_model: int = 128
-    n_heads: int = 4
-    n_layers: int = 1
-    dropout: float = 0.0
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, c: TinyConfig) -> None:
-        super().__init__()
-        self.n_heads, self.dropout = c.n_heads, c.dropout
-        self.qkv = nn.Linear(c.d_model, 3 * c.d_model, bias=False)
-        self.proj = nn.Linear(c.d_model, c.d_model, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
-        # is_causal masks every position j > i: a token never sees the bytes it must predict.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
-
-
-class Block(nn.Module):
-    def __init__(self, c: TinyConfig) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(c.d_model, bias=False)
-        self.attn = CausalSelfAttention(c)
-        self.ln2 = nn.LayerNorm(c.d_model, bias=False)
-        self.mlp = nn.Sequential(
-            nn.Linear(c.d_model, 4 * c.d_model, bias=False), nn.GELU(), nn.Linear(4 * c.d_model, c.d_model, bias=False)
-        )
-        self.drop = nn.Dropout(c.dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x)))
-        return x + self.drop(self.mlp(self.ln2(x)))
-
-
-class TinyTransformer(nn.Module):
-    """Token + position embeddings, causal blocks, final norm, LM head: (B, T) ids -> (B, T, V)."""
-
-    def __init__(self, c: TinyConfig) -> None:
-        super().__init__()
-        self.config = c
-        self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
-        self.pos_emb = nn.Embedding(c.seq_len, c.d_model)
-        self.drop = nn.Dropout(c.dropout)
-        self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layers))
-        self.ln_f = nn.LayerNorm(c.d_model, bias=False)
-        self.head = nn.Linear(c.d_model, c.vocab_size, bias=False)
-        for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, mean=0.0, std=0.02)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        t = ids.shape[1]
-        pos = torch.arange(t, device=ids.device)
-        x = self.drop(self.tok_emb(ids) + self.pos_emb(pos))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
 
 
 def load_tiny_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> TinyTransformer:
@@ -1699,55 +2692,6 @@ def load_tiny_checkpoint(path: str | Path, map_location: str | torch.device = "c
     model = TinyTransformer(TinyConfig(**ckpt["config"]))
     model.load_state_dict(ckpt["model"])
     return model.eval()
-
-
-@torch.no_grad()
-def generate_bytes(model: TinyTransformer, prompt: str, max_new: int, seed: int) -> str:
-    """Sample a continuation of the prompt until the end of the line (the model's own "\\n")."""
-    device = next(model.parameters()).device
-    ids = torch.tensor([[NEWLINE, *prompt.encode("utf-8")]], device=device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    out = bytearray()
-    for _ in range(max_new):
-        logits = model(ids[:, -model.config.seq_len :])[0, -1].float()
-        probs = torch.softmax(logits / 0.8, dim=-1)  # temperature 0.8: a little sharper than raw
-        nxt = torch.multinomial(probs, 1, generator=gen)
-        if nxt.item() == NEWLINE:
-            break
-        out.append(int(nxt.item()))
-        ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
-    return prompt + out.decode("utf-8", errors="replace")
-
-
-@dataclass
-class ModelKit:
-    """What the shared training loop needs from a model path; the rest stays in its builder."""
-
-    model: nn.Module  # the plain model; DDP wraps it later
-    train: Examples | ShiftingWindows
-    val: Examples | None  # held-out lines (--val-fraction), fixed windows; None when there are none
-    # (module, inputs, targets[, positions]) -> the sum of the target tokens' losses
-    loss: Callable[..., torch.Tensor]
-    sample: Callable[[nn.Module, str], str]  # (unwrapped model, prompt) -> text
-    # (unwrapped model, step, its whole state dict or None: the model's own) -> path written
-    save_final: Callable[[nn.Module, int, dict | None], Path]
-    final_name: str  # what save_final writes inside OUTPUT_DIR
-    final_label: str  # ... and what that is, for the log
-    flops_per_token: float  # training FLOPs per token, for MFU
-    describe: str
-    data_report: str = ""  # what became of the records on the way to examples
-    loss_module: nn.Module | None = None  # what DDP wraps and `loss` runs, if not the model itself
-    blocks: list[nn.Module] = field(default_factory=list)  # the Transformer blocks: FSDP's units
-    reload: Callable[[Path], nn.Module] | None = None  # save_final's output read back, as a plain model
-
-    @property
-    def trained(self) -> nn.Module:
-        return self.loss_module or self.model
-
-
-def tiny_parameter_count(c: TinyConfig) -> int:
-    """Embeddings and head, plus per block: qkv 3d², proj d², MLP 8d², two norms."""
-    return (2 * c.vocab_size + c.seq_len) * c.d_model + c.n_layers * (12 * c.d_model**2 + 2 * c.d_model) + c.d_model
 
 
 def check_model_fits(n_params: int, d: Dist) -> None:
@@ -1770,41 +2714,6 @@ def check_model_fits(n_params: int, d: Dist) -> None:
             f"{16 * n_params / 2**30:,.1f} GiB (weights, gradients, AdamW state) of the {have / 2**30:,.1f} GiB "
             f"on {d.device}: lower --d-model or --n-layers"
         )
-
-
-def build_tiny_kit(cfg: RunConfig, d: Dist, lines: list[str], val_lines: list[str]) -> ModelKit:
-    config = TinyConfig(
-        seq_len=cfg.seq_len, d_model=cfg.d_model, n_heads=cfg.n_heads, n_layers=cfg.n_layers, dropout=cfg.dropout
-    )
-    check_model_fits(tiny_parameter_count(config), d)
-    # Same seed on every rank: the replicas start identical. (DDP would also broadcast rank
-    # 0's weights when it wraps the model, but equal seeds make single-process runs match.)
-    torch.manual_seed(cfg.seed)
-    model = TinyTransformer(config).to(d.device)
-    n_params = sum(p.numel() for p in model.parameters())
-
-    def save_final(raw: nn.Module, step: int, whole: dict | None = None) -> Path:
-        path = cfg.output_dir / TINY_FINAL
-        atomic_torch_save({"model": whole or raw.state_dict(), "config": asdict(config), "step": step}, path)
-        return path
-
-    return ModelKit(
-        model=model,
-        train=ShiftingWindows(lines, cfg.seq_len, cfg.seed)
-        if cfg.pack
-        else encode_lines_as_bytes(lines, cfg.seq_len, False),
-        val=encode_lines_as_bytes(val_lines, cfg.seq_len, cfg.pack) if val_lines else None,
-        loss=lambda m, ids, targets: token_loss_sum(m(ids), targets),
-        sample=lambda raw, prompt: generate_bytes(raw, prompt, cfg.sample_tokens, cfg.seed),
-        save_final=save_final,
-        final_name=TINY_FINAL,
-        final_label="model checkpoint",
-        flops_per_token=training_flops_per_token(model, cfg.n_layers, cfg.d_model, cfg.seq_len),
-        describe=f"tiny Transformer: {cfg.n_layers} layer(s), d_model {cfg.d_model}, "
-        f"{cfg.n_heads} heads, {n_params:,} parameters",
-        blocks=list(model.blocks),
-        reload=lambda path: load_tiny_checkpoint(path, d.device),
-    )
 
 
 def build_pretrained_kit(cfg: RunConfig, d: Dist, records: list[Record], val_records: list[Record]) -> ModelKit:
@@ -2150,181 +3059,8 @@ def check_lora_targets(model: nn.Module, targets: tuple[str, ...]) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# 6. Sync: the gradient all-reduce, by torch's DDP or by a from-scratch DDP beside it; then sharding
+# 12. Sync reports: how the gradients travel, what sharding cannot do, whole tensors from shards
 # ----------------------------------------------------------------------------------------------
-
-
-class CommStats:
-    """Counts what the gradient all-reduce sends, and (for --inspect) keeps the local gradients.
-
-    Both wrappers report every bucket they launch here: torch's DDP through a comm hook, the
-    manual one directly. Counting per optimizer step shows that accumulation's k-1 silent
-    micro-steps send nothing.
-    """
-
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], compress: bool) -> None:
-        self.name_of = {id(p): name for name, p in named_params}
-        self.compress = compress  # --grad-compression bf16: send bf16, half the bytes
-        self.calls = 0
-        self.bytes = 0
-        self.step_layout: dict[int, tuple[int, list[str]]] = {}
-        self.layout: list[tuple[int, list[str]]] = []  # per bucket: (bytes, parameter names)
-        self.layout_changed = False
-        self.local_grads: dict[str, torch.Tensor] | None = None  # set to {} to capture one step
-        self.timeline: Timeline | None = None  # --trace-steps: each bucket's all-reduce becomes a span
-
-    def record(self, index: int, nbytes: int, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-        self.calls += 1
-        self.bytes += nbytes
-        self.step_layout[index] = (nbytes, [self.name_of[id(p)] for p in params])
-        if self.local_grads is not None:  # the gradient this rank computed, before averaging
-            for p, g in zip(params, grads, strict=True):
-                self.local_grads[self.name_of[id(p)]] = g.detach().clone()
-
-    def traced(self, future: torch.futures.Future, index: int, nbytes: int, dtype: torch.dtype) -> torch.futures.Future:
-        if self.timeline is None or not self.timeline.on:
-            return future
-        return self.timeline.collective(
-            "all-reduce", future, {"bucket": index, "bytes": nbytes, "dtype": str(dtype).removeprefix("torch.")}
-        )
-
-    def end_step(self) -> tuple[int, int]:
-        """Close the optimizer step: return (all-reduce calls, bytes) and note the bucket layout."""
-        calls, nbytes = self.calls, self.bytes
-        self.calls = self.bytes = 0
-        if self.step_layout:
-            layout = [self.step_layout[i] for i in sorted(self.step_layout)]
-            self.layout_changed = bool(self.layout) and layout != self.layout
-            self.layout, self.step_layout = layout, {}
-        return calls, nbytes
-
-
-def counting_allreduce_hook(stats, bucket):  # no annotations: DDP checks them, and rejects strings
-    """torch DDP's own all-reduce (divide by world size, then sum), after writing down the bucket.
-
-    With compression, torch's bf16 hook: the bucket travels as bf16 (2 bytes a number instead of
-    4) and is widened back to fp32 on arrival. bf16 keeps 8 bits of mantissa: every rank's
-    gradient is rounded by up to 2^-9 of itself before the sum, so the averaged gradient is off by
-    up to about 2^-9 of the *sum of their magnitudes* (more than 2^-9 of itself where they cancel).
-    """
-    buffer = bucket.buffer()
-    wire_bytes = buffer.numel() * (2 if stats.compress else buffer.element_size())
-    stats.record(bucket.index(), wire_bytes, bucket.parameters(), bucket.gradients())
-    if stats.compress:
-        future = default_hooks.bf16_compress_hook(None, bucket)
-    else:
-        future = default_hooks.allreduce_hook(None, bucket)
-    wire_dtype = torch.bfloat16 if stats.compress else buffer.dtype
-    return stats.traced(future, bucket.index(), wire_bytes, wire_dtype)
-
-
-@dataclass(eq=False)
-class Bucket:
-    index: int
-    params: list[nn.Parameter]
-    flat: torch.Tensor  # one contiguous buffer for all their gradients: one all-reduce per bucket
-    offsets: list[int]
-    ready: int = 0
-    arrival: torch.futures.Future | None = None  # the all-reduce in flight; wait() returns once the sum is here
-    wire: torch.Tensor | None = None  # what travels: flat itself, or its bf16 copy
-
-
-class WrapperThatSyncs(nn.Module):
-    """What ManualDDP and ManualFSDP share: the wrapped module, and no_sync() for accumulation."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-        self.require_sync = True  # False inside no_sync(): gradients accumulate, nothing travels
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        self.require_sync = False
-        try:
-            yield
-        finally:
-            self.require_sync = True
-
-    def forward(self, *args: object, **kwargs: object) -> object:
-        return self.module(*args, **kwargs)
-
-
-class ManualDDP(WrapperThatSyncs):
-    """Data parallelism from scratch: what torch's DDP does for us, in plain Python.
-
-    1. Start equal: broadcast rank 0's parameters and buffers to every rank.
-    2. Plan buckets: trainable parameters in *reverse* registration order (backward produces
-       gradients roughly from the last layer to the first), grouped until a bucket holds
-       bucket_mb of gradients.
-    3. During backward, a hook on each parameter copies its finished gradient into its bucket;
-       when a bucket's last gradient arrives, its all-reduce starts asynchronously, so
-       communication overlaps the rest of backward.
-    4. finish_gradient_sync(): wait for every bucket, divide the sums by the world size, copy
-       the averages back into .grad. Now every rank holds the same gradient.
-    """
-
-    def __init__(self, module: nn.Module, d: Dist, bucket_mb: float, stats: CommStats) -> None:
-        super().__init__(module)
-        self.world_size, self.stats = d.world_size, stats
-        with torch.no_grad():
-            for t in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(t, src=0)
-        self.buckets: list[Bucket] = []
-        self.place: dict[nn.Parameter, tuple[Bucket, int]] = {}
-        cap = bucket_mb * 2**20
-        pending: list[nn.Parameter] = []
-        for p in reversed([p for p in module.parameters() if p.requires_grad]):
-            pending.append(p)
-            if sum(q.numel() * q.element_size() for q in pending) >= cap:
-                self._add_bucket(pending)
-                pending = []
-        if pending:
-            self._add_bucket(pending)
-        for p in self.place:
-            # A post-accumulate hook runs once the gradient is fully summed into p.grad for this
-            # backward. It receives the *parameter*, not the gradient: reading p.grad is right,
-            # all-reducing p itself would average the weights (picotron#39).
-            p.register_post_accumulate_grad_hook(self._gradient_ready)
-
-    def _add_bucket(self, params: list[nn.Parameter]) -> None:
-        sizes = [p.numel() for p in params]
-        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        flat = torch.zeros(sum(sizes), dtype=params[0].dtype, device=params[0].device)
-        bucket = Bucket(len(self.buckets), params, flat, offsets)
-        self.buckets.append(bucket)
-        for p, offset in zip(params, offsets, strict=True):
-            self.place[p] = (bucket, offset)
-
-    def _gradient_ready(self, p: nn.Parameter) -> None:
-        if not self.require_sync:
-            return  # inside no_sync(): the gradient stays in p.grad and keeps accumulating there
-        bucket, offset = self.place[p]
-        # p.grad holds the sum over every micro-step since the last sync, so accumulated
-        # gradients count too (a hook on the incoming gradient would see only the last one).
-        bucket.flat[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
-        bucket.ready += 1
-        if bucket.ready == len(bucket.params):
-            local = [
-                bucket.flat[o : o + q.numel()].view_as(q) for q, o in zip(bucket.params, bucket.offsets, strict=True)
-            ]
-            bucket.wire = bucket.flat.to(torch.bfloat16) if self.stats.compress else bucket.flat
-            nbytes = bucket.wire.numel() * bucket.wire.element_size()
-            self.stats.record(bucket.index, nbytes, bucket.params, local)
-            work = dist.all_reduce(bucket.wire, async_op=True)
-            bucket.arrival = self.stats.traced(work.get_future(), bucket.index, nbytes, bucket.wire.dtype)
-
-    def finish_gradient_sync(self) -> None:
-        for bucket in self.buckets:
-            if bucket.arrival is None:
-                missing = [self.stats.name_of[id(p)] for p in bucket.params if p.grad is None]
-                raise TrainingError(f"a gradient bucket never filled: no gradient for {', '.join(missing) or '?'}")
-            bucket.arrival.wait()
-            if bucket.wire is not bucket.flat:
-                bucket.flat.copy_(bucket.wire)
-            bucket.flat.div_(self.world_size)  # all_reduce summed; DDP's contract is the average
-            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
-                p.grad.copy_(bucket.flat[offset : offset + p.numel()].view_as(p))
-            bucket.ready, bucket.arrival, bucket.wire = 0, None, None
 
 
 def describe_gradient_sync(cfg: RunConfig, d: Dist) -> str:
@@ -2374,435 +3110,6 @@ def cannot_shard_fully(cfg: RunConfig) -> str | None:
     return None
 
 
-def wrap_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats) -> nn.Module:
-    if d.distributed and cfg.sharding == "full":
-        return shard_fully(kit, cfg, d)
-    return wrap_data_parallel(kit.trained, cfg, d, stats)
-
-
-def shard_fully(kit: ModelKit, cfg: RunConfig, d: Dist) -> nn.Module:
-    """FSDP units: each Transformer block, then the rest (embeddings, final norm, head) as the root
-    unit. Tied embedding and head weights are one tensor, so they must share a unit: the root."""
-    units = [*kit.blocks, kit.trained]
-    if cfg.ddp == "manual":
-        return ManualFSDP(kit.trained, d, units)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    # A device mesh says which ranks share the shards: here all of them, on this device type
-    # (given explicitly: on a CPU, fully_shard would otherwise look for a GPU).
-    mesh = init_device_mesh(d.device.type, (d.world_size,))
-    for unit in units:  # inner units first: each takes its own parameters, the root what is left
-        fully_shard(unit, mesh=mesh)
-    # FSDP2 warns that a unit returned a view, which an in-place op could detach from its
-    # all-gather; this script never modifies a model's output in place.
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-    return kit.trained
-
-
-def wrap_data_parallel(model: nn.Module, cfg: RunConfig, d: Dist, stats: CommStats) -> nn.Module:
-    if not d.distributed:
-        return model  # one plain process: nothing to synchronise
-    if cfg.ddp == "manual":
-        return ManualDDP(model, d, cfg.bucket_mb, stats)
-    # torch's DDP broadcasts rank 0's parameters to all ranks now, then hooks every parameter:
-    # during backward, finished gradients fill buckets that are all-reduced (averaged) while the
-    # rest of backward still runs, so every rank ends the step with the same gradient.
-    ddp = DDP(
-        model,
-        device_ids=[d.device.index] if d.device.type == "cuda" else None,
-        bucket_cap_mb=cfg.bucket_mb,
-        # After the first backward .grad *is* a view into its bucket: backward accumulates into
-        # the bucket and the averaged result needs no copy back out. (This holds only while the
-        # .grad tensors live on: the loop zeroes them in place rather than setting them to None.)
-        gradient_as_bucket_view=True,
-        # Buffers never change here (Qwen's rotary frequencies are fixed), so there is nothing
-        # to re-send from rank 0 before every forward (torch 2.13 renamed the switch).
-        **no_buffer_sync_before_forward(),
-    )
-    ddp.register_comm_hook(stats, counting_allreduce_hook)
-    return ddp
-
-
-def no_buffer_sync_before_forward() -> dict[str, bool]:
-    takes = inspect.signature(DDP.__init__).parameters
-    return {"forward_sync_buffers": False} if "forward_sync_buffers" in takes else {"broadcast_buffers": False}
-
-
-def no_sync(model: nn.Module) -> contextlib.AbstractContextManager:
-    """Skip the all-reduce for this forward+backward: gradients just accumulate locally."""
-    if hasattr(model, "set_requires_gradient_sync"):  # torch's fully_shard
-        return fsdp_no_sync(model)
-    return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def fsdp_no_sync(model: nn.Module) -> Iterator[None]:
-    # FSDP2 then keeps whole (unsharded) gradients until the micro-step that syncs: memory for silence.
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
-
-
-def finish_gradient_sync(model: nn.Module) -> None:
-    # torch's DDP and fully_shard have already waited inside backward(); the manual wrappers wait here.
-    if isinstance(model, (ManualDDP, ManualFSDP)):
-        model.finish_gradient_sync()
-
-
-# Sharding. DDP keeps a whole copy of the training state on every rank: for mixed-precision
-# Adam, 16 bytes a parameter (bf16 weight and gradient, fp32 master weight and two moments),
-# so two 8 GB GPUs hold no more than one. ZeRO (Rajbhandari et al., 2019) removes the copies:
-# stage 1 shards the optimizer state, stage 3 (FSDP) the weights and gradients as well.
-# torch ships both (ZeroRedundancyOptimizer, fully_shard); here is each from scratch.
-
-
-# torch 2.13 renamed the two collectives of sharding (the old names now warn); older torch has only those.
-all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-
-
-class ShardedOptimizer(torch.optim.Optimizer):
-    """ZeRO stage 1 from scratch: each rank keeps the optimizer state of its own parameters only.
-
-    Adam keeps two numbers for every weight: twice the weights themselves, on every rank under
-    DDP. Here, with the signature of torch's ZeroRedundancyOptimizer:
-    1. Whole parameters are dealt out to ranks, largest first, each to the rank holding the
-       fewest numbers so far. An inner optimizer on each rank sees only that rank's share, so
-       it allocates state for about 1/N of the model.
-    2. step(): the gradients are already averaged (DDP's all-reduce ran as usual), so each
-       rank updates its own parameters exactly as an unsharded optimizer would.
-    3. Each parameter is broadcast from its owner: every rank again holds the same weights.
-    """
-
-    def __init__(self, params: Iterator[nn.Parameter], optimizer_class: type, **defaults: object) -> None:
-        super().__init__(params, defaults)
-        self.rank, world = dist.get_rank(), dist.get_world_size()
-        trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
-        load = [0] * world
-        self.owner: dict[nn.Parameter, int] = {}
-        for p in sorted(trainable, key=lambda p: -p.numel()):  # a stable sort: every rank deals the same hand
-            self.owner[p] = load.index(min(load))
-            load[self.owner[p]] += p.numel()
-        mine = [
-            {**_options(group), "params": [p for p in group["params"] if self.owner.get(p) == self.rank]}
-            for group in self.param_groups
-        ]
-        self.optim = optimizer_class(mine, **defaults)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:  # as a torch optimizer: recompute the loss (and its gradients) first
-            with torch.enable_grad():
-                loss = closure()
-        for outer, inner in zip(self.param_groups, self.optim.param_groups, strict=True):
-            inner.update(_options(outer))  # a changed lr (the schedule) reaches the inner optimizer
-        self.optim.step()
-        for work in [dist.broadcast(p.data, src=owner, async_op=True) for p, owner in self.owner.items()]:
-            work.wait()
-        return loss
-
-    def state_dict(self, to: int | None = None, group: dist.ProcessGroup | None = None) -> dict:
-        """The full state, exactly as an unsharded optimizer_class would return it. A collective:
-        every rank calls it, and every rank receives the whole state; or, with `to`, that rank
-        alone (the others get {}), as a checkpoint wants: every rank holding all of it is
-        what ZeRO-1 exists to avoid. `group`: a Gloo group, to keep the state off the GPUs."""
-        index, inner = self._global_index(), self.optim.state_dict()
-        mine = [p for group in self.optim.param_groups for p in group["params"]]
-        local = {
-            index[p]: {k: v.cpu() if torch.is_tensor(v) else v for k, v in inner["state"][i].items()}
-            for i, p in enumerate(mine)
-            if i in inner["state"]
-        }
-        shares: list[dict] = [{} for _ in range(dist.get_world_size())]
-        if to is None:
-            dist.all_gather_object(shares, local, group=group)
-        else:
-            dist.gather_object(local, shares if self.rank == to else None, dst=to, group=group)
-            if self.rank != to:
-                return {}
-        groups = [
-            {**_options(ig), "params": [index[p] for p in og["params"]]}
-            for og, ig in zip(self.param_groups, inner["param_groups"], strict=True)
-        ]
-        return {"state": dict(sorted((i, s) for share in shares for i, s in share.items())), "param_groups": groups}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Take a full state (this class's, or an unsharded optimizer's): each rank keeps its share."""
-        index, groups, state, i = self._global_index(), [], {}, 0
-        for outer, saved, inner in zip(
-            self.param_groups, state_dict["param_groups"], self.optim.param_groups, strict=True
-        ):
-            outer.update({k: v for k, v in _options(saved).items() if k in outer})
-            ids = list(range(i, i + len(inner["params"])))
-            i += len(ids)
-            state |= {
-                j: state_dict["state"][index[p]]
-                for j, p in zip(ids, inner["params"], strict=True)
-                if index[p] in state_dict["state"]
-            }
-            groups.append({**_options(saved), "params": ids})
-        self.optim.load_state_dict({"state": state, "param_groups": groups})
-
-    def _global_index(self) -> dict[nn.Parameter, int]:
-        return {p: i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
-
-
-def _options(group: dict) -> dict:
-    return {k: v for k, v in group.items() if k != "params"}
-
-
-@dataclass(eq=False)
-class Unit:
-    """A module whose own parameters are gathered together before it runs, and freed after."""
-
-    module: nn.Module
-    params: list[nn.Parameter]
-    trainable: list[nn.Parameter]
-    gathering: list[tuple[dist.Work, torch.Tensor]] | None = None  # an all-gather in flight
-    full: bool = False  # the parameters hold their whole weights now
-    arrived: set[nn.Parameter] = field(default_factory=set)  # gradients ready in this backward
-    scattering: list[tuple[nn.Parameter, dist.Work, torch.Tensor]] = field(default_factory=list)
-    settled: list[tuple[nn.Parameter, torch.Tensor]] = field(default_factory=list)  # averaged shard gradients
-
-
-class ManualFSDP(WrapperThatSyncs):
-    """FSDP (ZeRO stage 3) from scratch: each rank stores 1/N of every weight, gradient and moment.
-
-    A *unit* is a module whose parameters are made whole together. For each parameter p of a unit:
-    1. Between steps p.data is this rank's shard: p flattened, zero-padded to a multiple of N,
-       cut in N pieces; rank r keeps piece r. The optimizer (any torch optimizer) sees only
-       shards, so its state is 1/N of the model too.
-    2. Before the unit's forward: all-gather the pieces into the whole weight (p.data = whole).
-       While the unit computes, the next unit's all-gather is already in flight (prefetch).
-    3. After its forward: p.data = the shard again, and the whole weight is freed. Autograd
-       saved p itself, not a copy: backward will use whatever p.data holds by then. (The root
-       unit's forward encloses all the others: it stays whole until its forward ends.)
-    4. Before its backward (a hook on its output's gradient): gather again, and prefetch the
-       unit whose backward comes next.
-    5. As its last gradient arrives: reduce-scatter. Each rank receives the sum over ranks of
-       its own piece of the gradient only; the whole gradient is freed.
-    6. finish_gradient_sync(): wait for the reduce-scatters and divide by N: p.grad is the
-       averaged gradient of p's shard, shaped like p.data.
-    Parameters outside every unit stay whole on every rank; their gradients are averaged as DDP does.
-    """
-
-    def __init__(
-        self, module: nn.Module, d: Dist, units: list[nn.Module], param_dtype: torch.dtype | None = None
-    ) -> None:
-        super().__init__(module)
-        self.world, self.rank, self.param_dtype = d.world_size, d.rank, param_dtype
-        with torch.no_grad():  # start equal, as DDP does
-            for t in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(t, src=0)
-        owner = innermost_units(module, units)
-        self.units = []
-        for u in units:
-            mine = [p for p in u.parameters() if owner[p] is u]
-            self.units.append(Unit(u, mine, [p for p in mine if p.requires_grad]))
-        self.replicated = [p for p in module.parameters() if p not in owner and p.requires_grad]
-        self.shape = {p: p.shape for p in owner}
-        self.shard = {p: self._cut(p) for p in owner}  # the master weights: p.data points here between steps
-        self.held: dict[nn.Parameter, torch.Tensor] = {}  # whole gradients accumulated under no_sync()
-        self.shard_grads: dict[nn.Parameter, torch.Tensor] = {}  # p.grad, set aside while p is whole
-        self.forward_order: list[Unit] = []  # learned in the first step; prefetch follows it
-        self.finish_order: list[Unit] = []  # units in the order their forwards end: backward runs it in reverse
-        self.order_known = False
-        self.gloo = dist.get_backend() == "gloo"
-        self.timeline: Timeline | None = None  # --trace-steps: each all-gather and reduce-scatter becomes a span
-        for unit in self.units:
-            for p in unit.params:
-                p.data = self.shard[p]
-            unit.module.register_forward_pre_hook(functools.partial(self._before_forward, unit))
-            unit.module.register_forward_hook(functools.partial(self._after_forward, unit))
-            for p in unit.trainable:
-                p.register_post_accumulate_grad_hook(functools.partial(self._gradient_ready, unit))
-
-    def _cut(self, t: torch.Tensor) -> torch.Tensor:
-        size = math.ceil(t.numel() / self.world)
-        padded = torch.zeros(size * self.world, dtype=t.dtype, device=t.device)
-        padded[: t.numel()] = t.detach().reshape(-1)
-        return padded[self.rank * size : (self.rank + 1) * size].clone()
-
-    # -- whole weights: all-gather before a unit runs, back to shards after
-    def _start_gather(self, unit: Unit) -> None:
-        if unit.full or unit.gathering is not None:
-            return
-        unit.gathering = []
-        for p in unit.params:
-            piece = self.shard[p].to(self.param_dtype or p.dtype)
-            whole = torch.empty(piece.numel() * self.world, dtype=piece.dtype, device=piece.device)
-            unit.gathering.append((all_gather_single(whole, piece, async_op=True), whole))
-        self._trace("all-gather", [work for work, _ in unit.gathering], unit)
-
-    def _gather(self, unit: Unit) -> None:
-        self._start_gather(unit)
-        if unit.full:
-            return
-        for p, (work, whole) in zip(unit.params, unit.gathering, strict=True):
-            work.wait()
-            if p.grad is not None:  # a shard's gradient does not fit the whole weight: set it aside
-                self.shard_grads[p] = p.grad
-                p.grad = None
-            p.data = whole[: math.prod(self.shape[p])].view(self.shape[p])
-        unit.gathering, unit.full = None, True
-
-    def _reshard(self, unit: Unit) -> None:
-        if not unit.full:
-            return
-        for p in unit.params:
-            p.data = self.shard[p]
-            if p in self.shard_grads:
-                p.grad = self.shard_grads.pop(p)
-        unit.full = False
-
-    def _prefetch(self, order: list[Unit], unit: Unit, ahead: int) -> None:
-        if self.order_known and unit in order and 0 <= (i := order.index(unit) + ahead) < len(order):
-            self._start_gather(order[i])
-
-    # -- the hooks
-    def _before_forward(self, unit: Unit, module: nn.Module, args: tuple) -> tuple:
-        if not self.order_known and unit not in self.forward_order:
-            self.forward_order.append(unit)
-        self._gather(unit)
-        self._prefetch(self.forward_order, unit, +1)
-        if not torch.is_grad_enabled() or not any(torch.is_tensor(a) and a.requires_grad for a in args):
-            return args  # no backward will pass here (the root's inputs are token ids): reshard at the end
-        # The gradient reaches the unit's inputs last of all its backward: then it can be freed.
-        return _AfterBackward.apply(functools.partial(self._reshard, unit), *args)
-
-    def _after_forward(self, unit: Unit, module: nn.Module, args: tuple, output: object) -> None:
-        if not self.order_known and unit not in self.finish_order:
-            self.finish_order.append(unit)
-        needs_grad = [t for t in tensors_in(output) if t.requires_grad]
-        if needs_grad:
-            hook = functools.partial(self._before_backward, unit)
-            torch.autograd.graph.register_multi_grad_hook(needs_grad, hook, mode="any")
-        self._reshard(unit)
-
-    def _before_backward(self, unit: Unit, grad: torch.Tensor) -> None:
-        self._gather(unit)
-        self._prefetch(self.finish_order, unit, -1)
-
-    @torch.no_grad()
-    def _gradient_ready(self, unit: Unit, p: nn.Parameter) -> None:
-        grad = p.grad if p not in self.held else self.held.pop(p) + p.grad
-        p.grad = None  # the whole gradient leaves .grad: only the shard's will come back there
-        if not self.require_sync:  # inside no_sync(): keep the whole gradient until the last micro-step
-            self.held[p] = grad
-            return
-        unit.arrived.add(p)
-        shard = self.shard[p]
-        padded = grad.reshape(-1).to(shard.dtype)  # summed in the master dtype (fp32), not param_dtype
-        if padded.numel() < shard.numel() * self.world:
-            padded = F.pad(padded, (0, shard.numel() * self.world - padded.numel()))
-        if self.gloo:  # Gloo has no reduce-scatter of its own: torch runs this all-reduce and keeps
-            # this rank's piece (pytorch#118911); done here openly, the timeline can time it too.
-            work, mine = dist.all_reduce(padded, async_op=True), padded.view(self.world, -1)[self.rank]
-        else:
-            mine = torch.empty_like(shard)
-            work = reduce_scatter_single(mine, padded, async_op=True)
-        unit.scattering.append((p, work, mine))
-        self._trace("reduce-scatter", [work], unit)
-        if len(unit.arrived) == len(unit.trainable):
-            # This unit's gradients are all on the wire: settle the units before it. Each
-            # reduce-scatter holds a whole, padded gradient until it ends; settling them as we
-            # go keeps about one unit's in flight, not the whole model's, as FSDP does.
-            for other in self.units:
-                if other is not unit:
-                    self._settle(other)
-
-    def _settle(self, unit: Unit) -> None:
-        for p, work, summed in unit.scattering:
-            work.wait()
-            unit.settled.append((p, summed / self.world))  # reduce-scatter summed; the contract is the average
-        unit.scattering = []  # the whole, padded gradients are freed
-
-    def _trace(self, name: str, works: list[dist.Work], unit: Unit) -> None:
-        if self.timeline is not None and self.timeline.on:
-            arrivals = torch.futures.collect_all([work.get_future() for work in works])
-            self.timeline.collective(name, arrivals, {"unit": self.units.index(unit), "tensors": len(works)})
-
-    def finish_gradient_sync(self) -> None:
-        self.order_known = True
-        replicated = [dist.all_reduce(p.grad, async_op=True) for p in self.replicated if p.grad is not None]
-        for unit in self.units:
-            if len(unit.arrived) < len(unit.trainable):
-                names = {q: n for n, q in self.module.named_parameters()}
-                missing = [names[q] for q in unit.trainable if q not in unit.arrived]
-                raise TrainingError(f"a sharded unit's gradient never arrived: no gradient for {', '.join(missing)}")
-            self._settle(unit)
-            self._reshard(unit)
-            for p, mine in unit.settled:
-                p.grad = mine if p.grad is None else p.grad.add_(mine)
-            unit.settled, unit.arrived = [], set()
-        for work in replicated:
-            work.wait()
-        for p in self.replicated:
-            if p.grad is not None:
-                p.grad.div_(self.world)
-
-    def gradient_norm(self) -> torch.Tensor:
-        """The 2-norm of the whole averaged gradient: each rank adds the squares of its shards
-        (the padding is zero), rank 0 those of the replicated parameters; one all-reduce sums them."""
-        grads = [p.grad for unit in self.units for p in unit.trainable if p.grad is not None]
-        grads += [p.grad for p in self.replicated if p.grad is not None and self.rank == 0]
-        device = next(self.module.parameters()).device
-        total = sum((g.float().square().sum() for g in grads), torch.zeros((), device=device))
-        dist.all_reduce(total)
-        return total.sqrt()
-
-    def whole(self, p: nn.Parameter, shard: torch.Tensor | None = None) -> torch.Tensor:
-        """The whole of p (or of a tensor cut like p, such as its Adam moment), in the master dtype.
-        A collective for a sharded parameter: every rank calls it, every rank receives it."""
-        if p not in self.shard:
-            return p.detach() if shard is None else shard
-        shard = self.shard[p] if shard is None else shard
-        whole = torch.empty(shard.numel() * self.world, dtype=shard.dtype, device=shard.device)
-        all_gather_single(whole, shard.contiguous())
-        return whole[: math.prod(self.shape[p])].view(self.shape[p])
-
-    def cut(self, p: nn.Parameter, whole: torch.Tensor) -> torch.Tensor:
-        """This rank's piece of a whole tensor shaped like p (to load a checkpoint into shards)."""
-        return self._cut(whole.to(self.shard[p].device)) if p in self.shard else whole
-
-
-class _AfterBackward(torch.autograd.Function):
-    """The identity on a unit's inputs, whose backward runs once the unit's backward is done."""
-
-    @staticmethod
-    def forward(ctx: object, done: Callable[[], None], *inputs: object) -> tuple:
-        ctx.done = done
-        return inputs
-
-    @staticmethod
-    def backward(ctx: object, *grads: torch.Tensor) -> tuple:
-        ctx.done()
-        return (None, *grads)
-
-
-def tensors_in(output: object) -> list[torch.Tensor]:
-    if torch.is_tensor(output):
-        return [output]
-    if isinstance(output, dict):
-        output = list(output.values())
-    return [t for item in output for t in tensors_in(item)] if isinstance(output, (tuple, list)) else []
-
-
-def innermost_units(module: nn.Module, units: list[nn.Module]) -> dict[nn.Parameter, nn.Module]:
-    """Each parameter belongs to the innermost unit that contains it."""
-    owner: dict[nn.Parameter, nn.Module] = {}
-    for unit in sorted(units, key=lambda u: -sum(1 for _ in u.modules())):  # outermost first, inner ones overwrite
-        for p in unit.parameters():
-            if p in owner and not any(m is unit for m in owner[p].modules()):
-                raise ValueError("a parameter is shared by two units, neither inside the other: put them in one unit")
-            owner[p] = unit
-    return owner
-
-
 def gather_full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter whole, keyed as the wrapped module names them. A collective under sharding:
     every rank calls it, every rank receives them."""
@@ -2838,7 +3145,7 @@ def into_shard(model: nn.Module, p: nn.Parameter, whole: torch.Tensor) -> torch.
 
 
 # ----------------------------------------------------------------------------------------------
-# 7. Check: replica fingerprints (--verify-sync), the learner's report (--inspect), the timeline (--trace-steps)
+# 13. Check: replica fingerprints (--verify-sync), the learner's report (--inspect), the timeline (--trace-steps)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -3121,49 +3428,53 @@ def hidden_fraction(spans: list[Span]) -> float | None:
     return hidden / total
 
 
-# ----------------------------------------------------------------------------------------------
-# 8. Train: one loop for every model
-# ----------------------------------------------------------------------------------------------
+INSPECT_STEPS = 3  # --inspect reports this many steps in detail
 
 
-def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropy over the real (non-padding) targets."""
-    return F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+def report_inspect_step(
+    cfg: RunConfig,
+    d: Dist,
+    step: int,
+    stats: CommStats,
+    sent: tuple[int, int],
+    named_params: list[tuple[str, nn.Parameter]],
+    local_loss_sum: float,
+    micro_tokens: list[int],
+) -> None:
+    """The first steps through the eyes of each rank: its loss, its tokens, its gradient."""
+    local_tokens = sum(micro_tokens)
+    # Both normalizations of this very step: the exact global mean, and the mean of per-rank means.
+    loss_total, means_total, global_tokens = all_reduce_sum(
+        d, [local_loss_sum, local_loss_sum / local_tokens, local_tokens]
     )
+    bucketed = bool(stats.local_grads)  # DDP's buckets; under --sharding full there are none to show
+    if step == 1 and bucketed:
+        log(d, "[inspect] gradient buckets at step 1 (a bucket is all-reduced as soon as all its gradients are ready):")
+        log(d, "\n".join(f"[inspect]   {line}" for line in describe_buckets(stats)))
+    calls, nbytes = sent
+    print_in_rank_order(
+        d,
+        [
+            f"step {step}: local loss {local_loss_sum / local_tokens:.4f} over {local_tokens} tokens "
+            f"({'+'.join(map(str, micro_tokens))} in {len(micro_tokens)} micro-step(s))",
+            *([f"step {step}: {describe_local_gradient(stats, named_params)}"] if bucketed else []),
+        ],
+    )
+    log(
+        d,
+        f"[inspect] step {step}: global-token mean loss {loss_total / global_tokens:.4f} over {int(global_tokens)} "
+        f"tokens; mean of per-rank means {means_total / d.world_size:.4f}; this step all-reduced {calls} "
+        f"bucket(s), {nbytes / 2**20:.3f} MiB ({cfg.loss_normalization} normalization is training)",
+    )
+    if stats.layout_changed:
+        log(d, "[inspect] DDP rebuilt its buckets after step 1 (in the order gradients arrived):")
+        log(d, "\n".join(f"[inspect]   {line}" for line in describe_buckets(stats)))
+        stats.layout_changed = False
 
 
-def loss_scale(cfg: RunConfig, d: Dist, micro_tokens: int, global_tokens: float) -> float:
-    """What each micro-step's token-loss *sum* is multiplied by before backward.
-
-    global-tokens: world_size / global_tokens. DDP averages (divides by world_size), so the
-      gradient is exactly that of sum(every token loss) / global_tokens: the mean over every
-      target token of the global batch, whatever the split across ranks and micro-steps.
-    mean-of-means: 1 / (micro_tokens * k). Each micro-batch's own mean, averaged over micro-steps
-      and then over ranks: a token in a short micro-batch weighs more than one in a long one.
-    """
-    if cfg.loss_normalization == "global-tokens":
-        return d.world_size / global_tokens
-    return 1.0 / (micro_tokens * cfg.grad_accum_steps)
-
-
-def global_batch(cfg: RunConfig, d: Dist) -> int:
-    """Examples per optimizer step over all ranks: per-rank batch x ranks x micro-steps."""
-    return cfg.batch_size * d.world_size * cfg.grad_accum_steps
-
-
-def lr_at(cfg: RunConfig, step: int) -> float:
-    """Linear warmup from 0 to --lr over the warmup steps, then cosine decay to --min-lr at the
-    last step. Without warmup, step 1 trains at the full --lr.
-
-    A pure function of the step, identical on every rank, so it needs no saved state.
-    """
-    warmup = warmup_steps(cfg)
-    if step <= warmup:
-        return cfg.lr * step / warmup
-    peak = max(warmup, 1)  # the step that trains at the full rate, where the decay starts
-    done = (step - peak) / max(1, cfg.max_steps - peak)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(done, 1.0)))
+# ----------------------------------------------------------------------------------------------
+# 14. Step side work: warmup, precision, faults on purpose, phase timers, stop requests
+# ----------------------------------------------------------------------------------------------
 
 
 WARMUP_SHARE = 0.1  # of the run, when --warmup-steps would take more than half of it
@@ -3241,23 +3552,6 @@ def autocast_for(precision: str, d: Dist) -> contextlib.AbstractContextManager:
     return torch.autocast(d.device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
 
 
-def make_optimizer(cfg: RunConfig, d: Dist, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    if cfg.optimizer == "sgd":
-        # Plain SGD moves weights by exactly lr x gradient: a gradient off by a factor shows at
-        # once, which is why the equivalence tests use it. (Adam divides the factor back out.)
-        kind, options = torch.optim.SGD, {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
-    else:  # fused: one kernel updates every tensor (on CPU 5x faster than the per-tensor loop here)
-        kind, options = torch.optim.AdamW, {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "fused": True}
-    if cfg.sharding == "optimizer" and d.distributed:
-        if cfg.ddp == "manual":
-            return ShardedOptimizer(params, kind, **options)
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        return ZeroRedundancyOptimizer(params, optimizer_class=kind, **options)
-    # Under --sharding full the parameters are shards already: a plain optimizer keeps 1/N state.
-    return kind(params, **options)
-
-
 def check_gradients_arrived(model: nn.Module, d: Dist) -> None:
     """After the first backward some trainable weight must have a non-zero gradient.
 
@@ -3269,23 +3563,6 @@ def check_gradients_arrived(model: nn.Module, d: Dist) -> None:
     grads = [local_part(p.grad) for p in model.parameters() if p.requires_grad and p.grad is not None]
     if not all_reduce_sum(d, [any(bool(g.any()) for g in grads)])[0]:
         raise TrainingError("no gradient reached the trainable weights at step 1: nothing would learn")
-
-
-def local_part(t: torch.Tensor) -> torch.Tensor:
-    """The slice of a tensor this rank holds: a DTensor's local shard (fully_shard), else the tensor."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def clip_gradients(model: nn.Module, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """The norm of the whole synchronised gradient, identical on every rank; clipped to max_norm
-    when set. Under sharding the norm adds up every rank's shard, so clipping agrees everywhere."""
-    if isinstance(model, ManualFSDP):
-        norm = model.gradient_norm()
-    else:  # under fully_shard a DTensor, replicated: torch sums the shards' squares across ranks
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    if max_norm:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def due_fault(cfg: RunConfig, d: Dist, step: int) -> str | None:
@@ -3310,26 +3587,6 @@ def crash_on_purpose(kind: str, d: Dist, step: int) -> None:
             time.sleep(0.1)
         os._exit(1)
     raise RuntimeError(f"injected failure on rank {d.rank} at step {step} (--inject-fault)")
-
-
-@dataclass
-class Progress:
-    """Where the run stands. Saved in every checkpoint, so a resumed run picks up exactly here."""
-
-    step: int = 0  # optimizer steps completed
-    tokens_seen: int = 0  # real (non-padding) target tokens trained on, all ranks
-    history: list[dict[str, float]] = field(default_factory=list)  # every step's loss (and val loss)
-
-
-@dataclass
-class TrainResult:
-    progress: Progress
-    tokens: int  # trained on in this attempt (a resumed run counts from its checkpoint)
-    seconds: float  # spent in training steps in this attempt
-    stopped_by: str | None  # the signal's name, when a stop request ended the run early
-    trace: list[list[Span]]  # --trace-steps: every rank's spans (rank 0 only)
-    model: nn.Module  # as trained: wrapped by DDP, or sharded
-    memory: list[dict]  # every rank's training state in bytes, measured and predicted (rank 0 only)
 
 
 class PhaseTimer:
@@ -3442,164 +3699,6 @@ class StopRequest:
 STOP = StopRequest()
 
 
-def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings: dict) -> TrainResult:
-    """The training loop. `settings` (run_settings, rank 0 only) go into every checkpoint."""
-    loader, sampler = make_train_loader(kit.train, cfg, d)
-    named_params = [(n, p) for n, p in kit.model.named_parameters() if p.requires_grad]
-    stats = CommStats(named_params, compress=cfg.grad_compression == "bf16")
-    first_step = resume["progress"]["step"] if resume else 0
-    stats.timeline = timeline = start_timeline(cfg, d, [p for _, p in named_params], first_step)
-    offsets = clock_offsets(d) if timeline else []
-    predicted = predict_memory(cfg, d, kit)  # from the whole model, before any sharding
-    model = wrap_model(kit, cfg, d, stats)
-    if isinstance(model, ManualFSDP):
-        model.timeline = timeline
-    # Looked up again: torch's fully_shard replaces every parameter by a sharded one.
-    named_params = [(n, p) for n, p in kit.model.named_parameters() if p.requires_grad]
-    params = [p for _, p in named_params]
-    optimizer = make_optimizer(cfg, d, params)
-    precision = choose_precision(cfg, d)
-    # fp16 needs loss scaling: small gradients would underflow to zero. bf16 has fp32's range.
-    scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
-    progress = apply_resume_state(resume, model, named_params, optimizer, scaler, d) if resume else Progress()
-    k = cfg.grad_accum_steps
-    batch = global_batch(cfg, d)
-    steps_per_epoch = len(loader) // k
-    log(d, f"[run] {d.world_size} rank(s) x {cfg.batch_size} examples x {k} micro-step(s) = global batch {batch}")
-    log(d, f"[run] up to {batch * cfg.seq_len:,} token positions per step (a batch is padded to its longest example)")
-    log(d, f"[run] {len(sampler)} examples per rank per epoch = {steps_per_epoch} steps per epoch")
-    log(
-        d,
-        f"[run] gradient sync: {describe_gradient_sync(cfg, d)}; loss: {cfg.loss_normalization}; "
-        f"optimizer: {cfg.optimizer}, lr {cfg.lr:g} (warmup {warmup_steps(cfg)}, cosine to {cfg.min_lr:g}); "
-        f"precision {precision}",
-    )
-    if note := describe_sharding(cfg, d):
-        log(d, note)
-    if cfg.inspect:
-        print_in_rank_order(d, describe_shards(d, sampler) + describe_ownership(model, optimizer, named_params))
-
-    saved_step = progress.step if resume else None  # the step whose state is on disk
-
-    def save_state() -> None:
-        nonlocal saved_step
-        if progress.step == saved_step:  # a stop right after a save: that checkpoint is this state
-            return
-        state = training_state(d, settings, model, named_params, optimizer, scaler, progress)
-        save_training_state(cfg, d, state, progress.step)
-        saved_step = progress.step
-
-    reporter = Reporter(cfg, d, kit, progress, precision)
-    timer = PhaseTimer(cfg.time_breakdown, d.device, timeline)
-    model.train()
-    stream = steps_from(loader, sampler, k, progress.step)
-    stopped_by = None
-    while progress.step < cfg.max_steps:
-        step = progress.step + 1
-        t_step = timer.start(step)
-        fault = due_fault(cfg, d, step)
-        if fault in ("kill", "raise", "hang"):
-            crash_on_purpose(fault, d, step)
-        cpu_batches = next(stream)
-        # Count target tokens while the batch is still on the CPU: on a GPU it would be a sync.
-        micro_tokens = [int((batch[1] != IGNORE_INDEX).sum()) for batch in cpu_batches]
-        micro_batches = [tuple(t.to(d.device, non_blocking=True) for t in batch) for batch in cpu_batches]
-        timer.mark("data")
-        # One small all-reduce before any backward carries the facts every rank must share: the
-        # global token count the loss divides by, whether any rank was asked to stop, and
-        # whether rank 0's last metrics write failed.
-        global_tokens, stop_votes, failed = all_reduce_sum(
-            d, [sum(micro_tokens), STOP.signal is not None, reporter.failure is not None]
-        )
-        if failed:
-            reporter.share_failure()
-        if stop_votes:
-            stopped_by = signal.Signals(STOP.signal).name if STOP.signal else "another rank's signal"
-            break
-        timer.mark("sync")
-        inspecting = cfg.inspect and step <= INSPECT_STEPS
-        stats.local_grads = {} if inspecting else None
-        lr = lr_at(cfg, step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-
-        loss_sum = torch.zeros((), device=d.device)
-        for i, (inputs, targets, *positions) in enumerate(micro_batches):
-            # The first k-1 micro-steps run forward *and* backward inside no_sync(): gradients
-            # accumulate in .grad with no communication; the last one all-reduces the sum.
-            with no_sync(model) if i < k - 1 else contextlib.nullcontext():
-                with autocast_for(precision, d):
-                    micro_loss = kit.loss(model, inputs, targets, *positions)
-                if fault == "nan":
-                    micro_loss = micro_loss * float("nan")
-                timer.mark("forward")
-                scaled = micro_loss * loss_scale(cfg, d, micro_tokens[i], global_tokens)
-                (scaler.scale(scaled) if scaler else scaled).backward()
-                timer.mark("backward")
-            loss_sum += micro_loss.detach()
-        finish_gradient_sync(model)
-        calls, nbytes = stats.end_step()
-        if fault == "desync":  # pretend this rank's gradient sync silently went wrong
-            named_params[0][1].grad.add_(1e-3)
-        if step == 1:
-            check_gradients_arrived(kit.model, d)
-
-        # Each rank's loss covers its own shard; the sum over ranks, divided by the global
-        # token count, is the loss of the global batch: the number the update follows.
-        local_loss_sum = loss_sum.clone()
-        if d.distributed:
-            dist.all_reduce(loss_sum)  # on the device: nothing is read back yet
-        if scaler:
-            scaler.unscale_(optimizer)  # clip and report the true gradient, not the scaled one
-        if inspecting:  # the averaged gradient as the all-reduce left it, before any clipping
-            report_inspect_step(cfg, d, step, stats, (calls, nbytes), named_params, local_loss_sum.item(), micro_tokens)
-        # The norm of the *synchronised* gradient: identical on every rank, so clipping keeps
-        # the replicas identical too.
-        norm = clip_gradients(model, params, cfg.grad_clip)
-        # The step's one read from the device (on a GPU, a wait for it): the guard below must
-        # know before the update whether the loss and gradient are finite.
-        global_loss_sum, grad_norm = torch.stack([loss_sum.float(), norm.float()]).tolist()
-        loss = global_loss_sum / global_tokens
-        timer.mark("sync")
-        # With fp16 an overflowing gradient is routine: the scaler skips that step and lowers
-        # its scale, identically on every rank. Anything else non-finite stops the run.
-        if not math.isfinite(loss) or (not math.isfinite(grad_norm) and scaler is None):
-            raise_non_finite(d, step, loss, grad_norm, local_loss_sum.item())
-        if cfg.verify_sync and step % cfg.verify_sync == 0:
-            verify_replicas_agree(d, step, "after the gradient all-reduce", trainable_grads(model, named_params))
-        if scaler:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=False)  # in place: .grad stays a view into DDP's bucket
-        timer.mark("optimizer")
-        if cfg.verify_sync and step % cfg.verify_sync == 0:
-            state = params_and_optimizer_state(model, named_params, optimizer)
-            verify_replicas_agree(d, step, "after the optimizer step", state)
-        timer.end_step()
-
-        step_seconds = time.perf_counter() - t_step
-        progress.step = step
-        progress.tokens_seen += int(global_tokens)
-        evaluating = kit.val is not None and (step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0))
-        val = evaluate(cfg, d, kit, precision) if evaluating else {}
-        metrics = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, **val}
-        # Under --sharding full no bucket is all-reduced: the weights are gathered, the gradients scattered.
-        sent = {} if cfg.sharding == "full" and d.distributed else {"allreduce_calls": calls, "allreduce_bytes": nbytes}
-        reporter.step_done(metrics | sent, int(global_tokens), step_seconds, steps_per_epoch, timer)
-        if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.max_steps):
-            save_state()
-    if all_reduce_sum(d, [reporter.failure is not None])[0]:  # the last step's write, which no vote followed
-        reporter.share_failure()
-    if stopped_by:
-        save_state()
-    reporter.close()
-    trace = collect_trace(d, timeline, offsets) if timeline else []
-    memory = measure_memory(d, kit, model, optimizer, predicted)
-    return TrainResult(progress, reporter.tokens, reporter.seconds, stopped_by, trace, model, memory)
-
-
 def raise_non_finite(d: Dist, step: int, loss: float, grad_norm: float, local_loss_sum: float) -> None:
     """Stop every rank before a NaN or inf reaches the weights, and say where it came from.
 
@@ -3615,52 +3714,8 @@ def raise_non_finite(d: Dist, step: int, loss: float, grad_norm: float, local_lo
     )
 
 
-INSPECT_STEPS = 3  # --inspect reports this many steps in detail
-
-
-def report_inspect_step(
-    cfg: RunConfig,
-    d: Dist,
-    step: int,
-    stats: CommStats,
-    sent: tuple[int, int],
-    named_params: list[tuple[str, nn.Parameter]],
-    local_loss_sum: float,
-    micro_tokens: list[int],
-) -> None:
-    """The first steps through the eyes of each rank: its loss, its tokens, its gradient."""
-    local_tokens = sum(micro_tokens)
-    # Both normalizations of this very step: the exact global mean, and the mean of per-rank means.
-    loss_total, means_total, global_tokens = all_reduce_sum(
-        d, [local_loss_sum, local_loss_sum / local_tokens, local_tokens]
-    )
-    bucketed = bool(stats.local_grads)  # DDP's buckets; under --sharding full there are none to show
-    if step == 1 and bucketed:
-        log(d, "[inspect] gradient buckets at step 1 (a bucket is all-reduced as soon as all its gradients are ready):")
-        log(d, "\n".join(f"[inspect]   {line}" for line in describe_buckets(stats)))
-    calls, nbytes = sent
-    print_in_rank_order(
-        d,
-        [
-            f"step {step}: local loss {local_loss_sum / local_tokens:.4f} over {local_tokens} tokens "
-            f"({'+'.join(map(str, micro_tokens))} in {len(micro_tokens)} micro-step(s))",
-            *([f"step {step}: {describe_local_gradient(stats, named_params)}"] if bucketed else []),
-        ],
-    )
-    log(
-        d,
-        f"[inspect] step {step}: global-token mean loss {loss_total / global_tokens:.4f} over {int(global_tokens)} "
-        f"tokens; mean of per-rank means {means_total / d.world_size:.4f}; this step all-reduced {calls} "
-        f"bucket(s), {nbytes / 2**20:.3f} MiB ({cfg.loss_normalization} normalization is training)",
-    )
-    if stats.layout_changed:
-        log(d, "[inspect] DDP rebuilt its buckets after step 1 (in the order gradients arrived):")
-        log(d, "\n".join(f"[inspect]   {line}" for line in describe_buckets(stats)))
-        stats.layout_changed = False
-
-
 # ----------------------------------------------------------------------------------------------
-# 9. Evaluate and report: held-out loss, the progress bar or log lines, metrics, plots, the trace file, summary
+# 15. Evaluate and report: held-out loss, the progress bar or log lines, metrics, plots, the trace file, summary
 # ----------------------------------------------------------------------------------------------
 
 
@@ -4165,7 +4220,7 @@ def print_summary(
 
 
 # ----------------------------------------------------------------------------------------------
-# 10. Save: rank 0 writes, everyone meets at a barrier
+# 16. Save: rank 0 writes while everyone meets at a barrier; locks, checkpoints and resume, stop markers
 # ----------------------------------------------------------------------------------------------
 
 
@@ -4323,7 +4378,11 @@ def lock_file(f: io.TextIOWrapper) -> None:
 
 
 LOCKED_BYTE = 4096
+
+
 LOCK_HELD = (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES, errno.EDEADLK)  # "another process has it"
+
+
 OUTPUT_LOCK = OutputLock()
 
 
@@ -4880,7 +4939,7 @@ def resume_state_shard(model: nn.Module, p: nn.Parameter, state: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# 11. Main: launch -> connect -> shard -> train -> sync -> save -> sample
+# 17. Main: launch -> connect -> shard -> train -> sync -> save -> sample
 # ----------------------------------------------------------------------------------------------
 
 
@@ -5001,10 +5060,14 @@ def seed_dropout_per_rank(cfg: RunConfig, d: Dist) -> None:
 
 
 EXIT_USAGE = 2  # bad input: flags, files, hardware (a UsageError)
+
+
 EXIT_STOPPED = 3  # stopped cleanly by a signal, checkpoint written, not finished
 
 
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
 PEER_SILENT = ("Timed out", "timed out", "Timeout")
 
 
