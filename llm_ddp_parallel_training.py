@@ -1,22 +1,29 @@
 """Train a causal language model across processes with PyTorch DistributedDataParallel.
 
-One file, read top to bottom, follows one training run:
+One file, two reading depths. Sections 1-7 are the teaching core, the DDP a learner came to read,
+in the order the data flows; after a banner, sections 8-17 make it production-grade:
 
-    1. Settings      the command line becomes one frozen RunConfig
-    2. Launch        torchrun starts one process per rank; each reads its rank from the environment
-    3. Connect       the ranks join a process group (NCCL on Linux GPUs, Gloo on CPU)
-    4. Shard         text or chat records become examples; a DistributedSampler hands every rank
-                     a disjoint slice of each epoch
-    5. Models        a byte-level Transformer from scratch, or a pretrained causal LM (Qwen2.5, Llama,
-                     Gemma, Mistral, Phi-3, ...) with LoRA adapters or every weight trained
-    6. Sync          DDP all-reduces the gradients during backward (torch's, or one from scratch);
-                     or the training state is sharded: ZeRO-1 (optimizer state), FSDP (everything)
-    7. Check         replicas verified identical (--verify-sync); the learner's report (--inspect);
-                     every rank's timeline of compute and all-reduce (--trace-steps)
-    8. Train         one loop for both models: forward, backward, sync, clip, step
-    9. Evaluate      held-out loss, progress, metrics, plots, the trace file, summary
-   10. Save          rank 0 alone writes while the others wait at a barrier; checkpoints and resume
-   11. Main          the stages in order, and one clear exit on every path
+    1. Settings             one frozen RunConfig holds everything a run is told
+    2. Ranks                torchrun starts one process per rank; each reads who it is from the
+                            environment and joins the process group (NCCL on Linux GPUs, Gloo on CPU)
+    3. Data                 text becomes fixed-length byte examples; a DistributedSampler hands
+                            every rank a disjoint slice of each epoch
+    4. Model                a byte-level causal Transformer trained from scratch
+    5. Sync                 DDP all-reduces the gradients during backward: torch's, and one from scratch
+    6. Train                one loop for every model: forward, backward, sync, clip, step
+    7. Sharding             ZeRO-1 (optimizer state) and FSDP (everything), from scratch beside torch's
+    -------------------     a reader who came for DDP may stop here
+    8. Command line         argparse fills the RunConfig and refuses what cannot run
+    9. Launcher             --nproc starts the ranks without torchrun; meetings with no deadline
+   10. Records              .jsonl schemas, chat templates, assistant-only targets, packing
+   11. Pretrained models    Qwen2.5, Llama, Gemma, Mistral, Phi-3, ... with LoRA or every weight trained
+   12. Sync reports         how the gradients travel, what sharding refuses, whole tensors from shards
+   13. Check                replicas verified identical (--verify-sync); the learner's report (--inspect);
+                            every rank's timeline of compute and communication (--trace-steps)
+   14. Step side work       warmup, precision, faults on purpose, phase timers, stop requests
+   15. Evaluate and report  held-out loss, progress, metrics, plots, the trace file, memory, summary
+   16. Save                 rank 0 alone writes while the others wait at a barrier; locks, checkpoints, resume
+   17. Main                 the stages in order, and one clear exit on every path
 
 Run it as one plain process, under torchrun on one or many machines, or let it start its own ranks:
 
@@ -698,7 +705,10 @@ def build_tiny_kit(cfg: RunConfig, d: Dist, lines: list[str], val_lines: list[st
 
 def wrap_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats) -> nn.Module:
     if d.distributed and cfg.sharding == "full":
-        return shard_fully(kit, cfg, d)
+        model = shard_fully(kit, cfg, d)
+        if isinstance(model, ManualFSDP):  # its all-gathers and reduce-scatters go on the timeline too
+            model.timeline = stats.timeline
+        return model
     return wrap_data_parallel(kit.trained, cfg, d, stats)
 
 
@@ -962,6 +972,23 @@ def lr_at(cfg: RunConfig, step: int) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(done, 1.0)))
 
 
+def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> float:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
+    """The update, the same on every rank (the gradients are); fp16's scaler skips a step whose
+    gradient overflowed and lowers its scale."""
+    if scaler:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=False)  # in place: .grad stays a view into DDP's bucket
+
+
 def make_optimizer(cfg: RunConfig, d: Dist, params: list[nn.Parameter]) -> torch.optim.Optimizer:
     if cfg.optimizer == "sgd":
         # Plain SGD moves weights by exactly lr x gradient: a gradient off by a factor shows at
@@ -1026,8 +1053,6 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
     offsets = clock_offsets(d) if timeline else []
     predicted = predict_memory(cfg, d, kit)  # from the whole model, before any sharding
     model = wrap_model(kit, cfg, d, stats)
-    if isinstance(model, ManualFSDP):
-        model.timeline = timeline
     # Looked up again: torch's fully_shard replaces every parameter by a sharded one.
     named_params = [(n, p) for n, p in kit.model.named_parameters() if p.requires_grad]
     params = [p for _, p in named_params]
@@ -1037,32 +1062,10 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
     progress = apply_resume_state(resume, model, named_params, optimizer, scaler, d) if resume else Progress()
     k = cfg.grad_accum_steps
-    batch = global_batch(cfg, d)
     steps_per_epoch = len(loader) // k
-    log(d, f"[run] {d.world_size} rank(s) x {cfg.batch_size} examples x {k} micro-step(s) = global batch {batch}")
-    log(d, f"[run] up to {batch * cfg.seq_len:,} token positions per step (a batch is padded to its longest example)")
-    log(d, f"[run] {len(sampler)} examples per rank per epoch = {steps_per_epoch} steps per epoch")
-    log(
-        d,
-        f"[run] gradient sync: {describe_gradient_sync(cfg, d)}; loss: {cfg.loss_normalization}; "
-        f"optimizer: {cfg.optimizer}, lr {cfg.lr:g} (warmup {warmup_steps(cfg)}, cosine to {cfg.min_lr:g}); "
-        f"precision {precision}",
-    )
-    if note := describe_sharding(cfg, d):
-        log(d, note)
-    if cfg.inspect:
-        print_in_rank_order(d, describe_shards(d, sampler) + describe_ownership(model, optimizer, named_params))
+    announce_run(cfg, d, sampler, steps_per_epoch, precision, model, optimizer, named_params)
 
-    saved_step = progress.step if resume else None  # the step whose state is on disk
-
-    def save_state() -> None:
-        nonlocal saved_step
-        if progress.step == saved_step:  # a stop right after a save: that checkpoint is this state
-            return
-        state = training_state(d, settings, model, named_params, optimizer, scaler, progress)
-        save_training_state(cfg, d, state, progress.step)
-        saved_step = progress.step
-
+    saver = StateSaver(cfg, d, settings, progress.step if resume else None)
     reporter = Reporter(cfg, d, kit, progress, precision)
     timer = PhaseTimer(cfg.time_breakdown, d.device, timeline)
     model.train()
@@ -1071,9 +1074,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
     while progress.step < cfg.max_steps:
         step = progress.step + 1
         t_step = timer.start(step)
-        fault = due_fault(cfg, d, step)
-        if fault in ("kill", "raise", "hang"):
-            crash_on_purpose(fault, d, step)
+        fault = fault_at_step(cfg, d, step)  # --inject-fault: a teaching aid; None in real runs
         cpu_batches = next(stream)
         # Count target tokens while the batch is still on the CPU: on a GPU it would be a sync.
         micro_tokens = [int((batch[1] != IGNORE_INDEX).sum()) for batch in cpu_batches]
@@ -1093,9 +1094,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
         timer.mark("sync")
         inspecting = cfg.inspect and step <= INSPECT_STEPS
         stats.local_grads = {} if inspecting else None
-        lr = lr_at(cfg, step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        lr = set_learning_rate(optimizer, lr_at(cfg, step))
 
         loss_sum = torch.zeros((), device=d.device)
         for i, (inputs, targets, *positions) in enumerate(micro_batches):
@@ -1139,16 +1138,11 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
         # its scale, identically on every rank. Anything else non-finite stops the run.
         if not math.isfinite(loss) or (not math.isfinite(grad_norm) and scaler is None):
             raise_non_finite(d, step, loss, grad_norm, local_loss_sum.item())
-        if cfg.verify_sync and step % cfg.verify_sync == 0:
+        if verifying := cfg.verify_sync and step % cfg.verify_sync == 0:
             verify_replicas_agree(d, step, "after the gradient all-reduce", trainable_grads(model, named_params))
-        if scaler:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=False)  # in place: .grad stays a view into DDP's bucket
+        optimizer_step(optimizer, scaler)
         timer.mark("optimizer")
-        if cfg.verify_sync and step % cfg.verify_sync == 0:
+        if verifying:
             state = params_and_optimizer_state(model, named_params, optimizer)
             verify_replicas_agree(d, step, "after the optimizer step", state)
         timer.end_step()
@@ -1156,18 +1150,16 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
         step_seconds = time.perf_counter() - t_step
         progress.step = step
         progress.tokens_seen += int(global_tokens)
-        evaluating = kit.val is not None and (step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0))
-        val = evaluate(cfg, d, kit, precision) if evaluating else {}
+        val = evaluate(cfg, d, kit, precision) if evaluation_due(cfg, kit, step) else {}
         metrics = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, **val}
-        # Under --sharding full no bucket is all-reduced: the weights are gathered, the gradients scattered.
-        sent = {} if cfg.sharding == "full" and d.distributed else {"allreduce_calls": calls, "allreduce_bytes": nbytes}
-        reporter.step_done(metrics | sent, int(global_tokens), step_seconds, steps_per_epoch, timer)
+        metrics |= sent_in_buckets(cfg, d, calls, nbytes)
+        reporter.step_done(metrics, int(global_tokens), step_seconds, steps_per_epoch, timer)
         if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.max_steps):
-            save_state()
+            saver.save(model, named_params, optimizer, scaler, progress)
     if all_reduce_sum(d, [reporter.failure is not None])[0]:  # the last step's write, which no vote followed
         reporter.share_failure()
     if stopped_by:
-        save_state()
+        saver.save(model, named_params, optimizer, scaler, progress)
     reporter.close()
     trace = collect_trace(d, timeline, offsets) if timeline else []
     memory = measure_memory(d, kit, model, optimizer, predicted)
@@ -3578,6 +3570,15 @@ def due_fault(cfg: RunConfig, d: Dist, step: int) -> str | None:
     return None
 
 
+def fault_at_step(cfg: RunConfig, d: Dist, step: int) -> str | None:
+    """The fault for this step: a crash (kill, raise, hang) happens here and now; a nan or desync
+    is returned for the step to apply where it belongs."""
+    fault = due_fault(cfg, d, step)
+    if fault in ("kill", "raise", "hang"):
+        crash_on_purpose(fault, d, step)
+    return fault
+
+
 def crash_on_purpose(kind: str, d: Dist, step: int) -> None:
     print(f"[fault] rank {d.rank}: injected '{kind}' at step {step} (--inject-fault)", file=sys.stderr, flush=True)
     if kind == "kill":
@@ -3720,6 +3721,44 @@ def raise_non_finite(d: Dist, step: int, loss: float, grad_norm: float, local_lo
 
 
 @torch.no_grad()
+def announce_run(
+    cfg: RunConfig,
+    d: Dist,
+    sampler: DistributedSampler,
+    steps_per_epoch: int,
+    precision: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    named_params: list[tuple[str, nn.Parameter]],
+) -> None:
+    """The run's shape, once, before the first step: the global batch, and how the gradients travel;
+    with --inspect, each rank's shard of the data and of the training state."""
+    k, batch = cfg.grad_accum_steps, global_batch(cfg, d)
+    log(d, f"[run] {d.world_size} rank(s) x {cfg.batch_size} examples x {k} micro-step(s) = global batch {batch}")
+    log(d, f"[run] up to {batch * cfg.seq_len:,} token positions per step (a batch is padded to its longest example)")
+    log(d, f"[run] {len(sampler)} examples per rank per epoch = {steps_per_epoch} steps per epoch")
+    log(
+        d,
+        f"[run] gradient sync: {describe_gradient_sync(cfg, d)}; loss: {cfg.loss_normalization}; "
+        f"optimizer: {cfg.optimizer}, lr {cfg.lr:g} (warmup {warmup_steps(cfg)}, cosine to {cfg.min_lr:g}); "
+        f"precision {precision}",
+    )
+    if note := describe_sharding(cfg, d):
+        log(d, note)
+    if cfg.inspect:
+        print_in_rank_order(d, describe_shards(d, sampler) + describe_ownership(model, optimizer, named_params))
+
+
+def sent_in_buckets(cfg: RunConfig, d: Dist, calls: int, nbytes: int) -> dict[str, int]:
+    """The step's all-reduce count and bytes, for the log and metrics. Under --sharding full no
+    bucket is all-reduced: the weights are gathered, the gradients scattered."""
+    return {} if cfg.sharding == "full" and d.distributed else {"allreduce_calls": calls, "allreduce_bytes": nbytes}
+
+
+def evaluation_due(cfg: RunConfig, kit: ModelKit, step: int) -> bool:
+    return kit.val is not None and (step == cfg.max_steps or bool(cfg.eval_every and step % cfg.eval_every == 0))
+
+
 def evaluate(cfg: RunConfig, d: Dist, kit: ModelKit, precision: str) -> dict[str, float]:
     """The exact token-weighted loss on the held-out lines, computed by all ranks together.
 
@@ -4625,6 +4664,28 @@ def whole_optimizer_state(
     return state if d.is_main else None
 
 
+class StateSaver:
+    """Saves the full training state at the current step, once: a stop right after a save has that
+    checkpoint already. `settings` (run_settings, rank 0 only) go into every checkpoint."""
+
+    def __init__(self, cfg: RunConfig, d: Dist, settings: dict, saved_step: int | None) -> None:
+        self.cfg, self.d, self.settings, self.saved_step = cfg, d, settings, saved_step  # the step on disk
+
+    def save(
+        self,
+        model: nn.Module,
+        named_params: list[tuple[str, nn.Parameter]],
+        optimizer: torch.optim.Optimizer,
+        scaler: torch.amp.GradScaler | None,
+        progress: Progress,
+    ) -> None:
+        if progress.step == self.saved_step:
+            return
+        state = training_state(self.d, self.settings, model, named_params, optimizer, scaler, progress)
+        save_training_state(self.cfg, self.d, state, progress.step)
+        self.saved_step = progress.step
+
+
 def save_training_state(cfg: RunConfig, d: Dist, state: dict | None, step: int) -> None:
     def write() -> Path:
         folder = checkpoint_root(cfg) / f"step_{step:08d}"
@@ -5115,6 +5176,17 @@ def tell_torchrun(line: str, later: bool = False) -> None:
 
 
 @record  # a rank's uncaught exception is written where torchrun can show it as the root cause
+def leave_finished() -> None:
+    """Exit 0 without the interpreter's shutdown, once every rank has left the process group and
+    every file is closed: there the C++ destructors of torch's communication threads occasionally
+    abort a finished run ("terminate called without an active exception", seen here about once in
+    a few hundred runs, despite the gc.collect in teardown_distributed)."""
+    teardown_distributed()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     # Training drives some gradients into denormal floats (below 1.2e-38), which x86 CPUs compute
@@ -5151,17 +5223,6 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(1) from None
     finally:
         teardown_distributed()
-
-
-def leave_finished() -> None:
-    """Exit 0 without the interpreter's shutdown, once every rank has left the process group and
-    every file is closed: there the C++ destructors of torch's communication threads occasionally
-    abort a finished run ("terminate called without an active exception", seen here about once in
-    a few hundred runs, despite the gc.collect in teardown_distributed)."""
-    teardown_distributed()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,67 @@
+"""The script reads top to bottom: the teaching core first, one banner, then the production machinery,
+and the module docstring's map names the sections as the file does."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+from conftest import SCRIPT
+
+import llm_ddp_parallel_training as t
+
+SOURCE = SCRIPT.read_text(encoding="utf-8")
+LINES = SOURCE.splitlines()
+TEACHING_CORE_LINES = 1300
+
+
+def docstring_map() -> list[tuple[str, str]]:
+    """(number, name) of each entry in the docstring's map: "    6. Train        one loop ..."."""
+    return re.findall(r"^ {3,4}(\d+)\. (\S+(?: \S+)*?) {2,}", t.__doc__, re.M)
+
+
+def section_banners() -> list[tuple[str, str]]:
+    """(number, name) of each section banner: "# 6. Train: one loop ..."."""
+    return re.findall(r"^# (\d+)\. ([^:\n]+):", SOURCE, re.M)
+
+
+def first_line(text: str) -> int:
+    return next(i for i, line in enumerate(LINES, 1) if text in line)
+
+
+def test_the_docstring_map_names_every_section_banner_in_order():
+    assert docstring_map() == section_banners()
+    assert [int(number) for number, _ in section_banners()] == list(range(1, 18))
+
+
+def test_every_ddp_mechanism_and_the_whole_training_loop_come_within_the_first_1300_lines():
+    mechanisms = ["dist.init_process_group(", "DistributedSampler(", "DDP(", "class ManualDDP", "no_sync(model)",
+                  "dist.all_reduce(loss_sum)", "def train("]  # fmt: skip
+    where = {text: first_line(text) for text in mechanisms}
+    assert all(line <= TEACHING_CORE_LINES for line in where.values()), where
+    train = next(n for n in ast.parse(SOURCE).body if isinstance(n, ast.FunctionDef) and n.name == "train")
+    assert train.end_lineno <= TEACHING_CORE_LINES
+    assert train.end_lineno - train.lineno + 1 <= 125, "train() stays short: side work lives in named helpers"
+
+
+def test_one_banner_separates_the_teaching_core_from_the_production_machinery():
+    stops = [i for i, line in enumerate(LINES, 1) if "A reader who came for DDP may stop here" in line]
+    assert len(stops) == 1
+    assert first_line("# 7. Sharding:") < stops[0] < first_line("# 8. Command line:")
+
+
+def test_main_comes_last():
+    defs = [n.name for n in ast.parse(SOURCE).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    assert defs[-1] == "main"
+
+
+def test_the_readmes_reading_path_names_functions_in_the_sections_it_gives():
+    readme = (SCRIPT.parent / "README.md").read_text(encoding="utf-8")
+    path = readme.split("### Read the code", 1)[1].split("\n\n", 2)[2]
+    steps = re.findall(r"^\d+\. \*\*(.+?)\*\* \(section (\d+)\)", path, re.M)
+    assert len(steps) == 7
+    starts = {int(n): first_line(f"# {n}. {name}:") for n, name in section_banners()}
+    defined = {n.name: n.lineno for n in ast.parse(SOURCE).body if hasattr(n, "name")}
+    for names, section in steps:
+        for name in re.findall(r"`(\w+)`", names):
+            assert starts[int(section)] < defined[name] < starts.get(int(section) + 1, len(LINES)), (name, section)
