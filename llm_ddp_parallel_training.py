@@ -3,27 +3,33 @@
 One file, two reading depths. Sections 1-7 are the teaching core, the DDP a learner came to read,
 in the order the data flows; after a banner, sections 8-17 make it production-grade:
 
-    1. Settings             one frozen RunConfig holds everything a run is told
-    2. Ranks                torchrun starts one process per rank; each reads who it is from the
-                            environment and joins the process group (NCCL on Linux GPUs, Gloo on CPU)
+    1. Settings             everything a run is told, in one frozen RunConfig
+    2. Ranks                torchrun's environment says who this process is; then the process group
+                            (NCCL on Linux GPUs, Gloo on CPU)
     3. Data                 text becomes fixed-length byte examples; a DistributedSampler hands
                             every rank a disjoint slice of each epoch
     4. Model                a byte-level causal Transformer trained from scratch
-    5. Sync                 DDP all-reduces the gradients during backward: torch's, and one from scratch
+    5. Sync                 the gradient all-reduce during backward, by torch's DDP and by a
+                            from-scratch DDP beside it
     6. Train                one loop for every model: forward, backward, sync, clip, step
-    7. Sharding             ZeRO-1 (optimizer state) and FSDP (everything), from scratch beside torch's
+    7. Sharding             ZeRO-1 and FSDP from scratch, beside torch's ZeroRedundancyOptimizer
+                            and fully_shard
     -------------------     a reader who came for DDP may stop here
-    8. Command line         argparse fills the RunConfig and refuses what cannot run
-    9. Launcher             --nproc starts the ranks without torchrun; meetings with no deadline
-   10. Records              .jsonl schemas, chat templates, assistant-only targets, packing
-   11. Pretrained models    Qwen2.5, Llama, Gemma, Mistral, Phi-3, ... with LoRA or every weight trained
-   12. Sync reports         how the gradients travel, what sharding refuses, whole tensors from shards
-   13. Check                replicas verified identical (--verify-sync); the learner's report (--inspect);
-                            every rank's timeline of compute and communication (--trace-steps)
+    8. Command line         argparse fills the RunConfig, and refuses what cannot run
+    9. Launcher             ranks started without torchrun (--nproc), and meetings with no deadline
+   10. Records              .jsonl schemas, chat templates and assistant-only targets, packing
+   11. Pretrained models    Qwen2.5, Llama, Gemma, Mistral, Phi-3, ... with LoRA; the tiny model's
+                            size check
+   12. Sync reports         how the gradients travel, what sharding cannot do, whole tensors from shards
+   13. Check                replica fingerprints (--verify-sync), the learner's report (--inspect),
+                            the timeline (--trace-steps)
    14. Step side work       warmup, precision, faults on purpose, phase timers, stop requests
-   15. Evaluate and report  held-out loss, progress, metrics, plots, the trace file, memory, summary
-   16. Save                 rank 0 alone writes while the others wait at a barrier; locks, checkpoints, resume
-   17. Main                 the stages in order, and one clear exit on every path
+   15. Evaluate and report  held-out loss, progress, metrics, plots, the trace file, the memory table,
+                            summary
+   16. Save                 rank 0 writes while the others wait for it; locks, checkpoints and
+                            resume, stop markers
+   17. Main                 launch -> connect -> shard -> train -> sync -> save -> sample, and one
+                            clear exit on every path
 
 Run it as one plain process, under torchrun on one or many machines, or let it start its own ranks:
 
@@ -81,10 +87,6 @@ if TYPE_CHECKING:  # type hints only: the tiny path never imports transformers
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent / "corpus.txt"
 TINY_FINAL = "tiny_transformer.pt"  # the trained tiny model, in OUTPUT_DIR
-# The pretrained path's outputs keep the names they had when it served Qwen alone: users' scripts read them.
-QWEN_FINAL = "qwen_lora"  # the trained adapters and tokenizer, in OUTPUT_DIR
-QWEN_FULL_FINAL = "qwen_full"  # --finetune full: the whole fine-tuned model and tokenizer, in OUTPUT_DIR
-ALL_LINEAR = "all-linear"  # --lora-targets in PEFT's own spelling: every linear layer but the output head
 IGNORE_INDEX = -100  # target id that cross-entropy skips: padding never counts in the loss
 NEWLINE = 10  # the byte that opens and closes every line for the byte-level model
 
@@ -97,6 +99,16 @@ class TrainingError(Exception):
     """A run-time failure that every rank agreed on (through a collective), reported as one line."""
 
 
+def first_line(error: BaseException) -> str:
+    text = str(error).strip().removeprefix(CALLBACK_WRAPPER)
+    # Gloo appends advice ("This is typically caused by...") that buries the fact itself.
+    return text.splitlines()[0].split(" This is typically")[0] if text else type(error).__name__
+
+
+# How torch words an error that reaches a future through a .then() callback (--trace-steps adds one).
+CALLBACK_WRAPPER = "Got the following error when running the callback: RuntimeError: "
+
+
 # ----------------------------------------------------------------------------------------------
 # 1. Settings: everything a run is told, in one frozen RunConfig (section 8 fills it from the command line)
 # ----------------------------------------------------------------------------------------------
@@ -104,6 +116,9 @@ class TrainingError(Exception):
 
 @dataclass(frozen=True)
 class RunConfig:
+    """Every setting of one run, fixed for its whole life and the same on every rank. parse_args
+    (section 8) fills it from the command line, whose --help explains each field."""
+
     model: str
     corpus_file: Path
     output_dir: Path
@@ -193,7 +208,7 @@ class Dist:
     why: str  # the reason for the backend/device choice, printed at start
     control: dist.ProcessGroup | None = None  # Gloo group for host numbers under NCCL (None: the default group)
     store: dist.Store | None = None  # the rendezvous key-value store the ranks met in
-    launch: str | None = None  # this torchrun launch, the same in all its restarts (see launch_token)
+    launch: str | None = None  # this torchrun launch, the same in all its restarts (launch_token, section 9)
 
     @classmethod
     def from_process_group(cls) -> Dist:
@@ -292,6 +307,8 @@ def setup_distributed(cfg: RunConfig) -> Dist:
     # instead of hanging it.
     timeout = timedelta(seconds=cfg.timeout_s)
     try:
+        # torchrun's agent already hosts a key-value store the ranks can meet in (section 9); without
+        # one (None), init_process_group builds its own from MASTER_ADDR and MASTER_PORT.
         agent_store, launch = rendezvous_store(timeout)
         dist.init_process_group(
             backend=backend,
@@ -335,17 +352,6 @@ def all_reduce_sum(d: Dist, values: list[float]) -> list[float]:
     return t.tolist()
 
 
-def say(message: str) -> None:
-    """Print a line on stdout without breaking a progress bar drawn on stderr."""
-    tqdm.write(message, file=sys.stdout)
-    sys.stdout.flush()
-
-
-def log(d: Dist, message: str) -> None:
-    if d.is_main:
-        say(message)
-
-
 # ----------------------------------------------------------------------------------------------
 # 3. Data: text -> fixed-length byte examples -> a DistributedSampler slice per rank
 # ----------------------------------------------------------------------------------------------
@@ -369,7 +375,7 @@ class Examples(Dataset):
     # (N,) int64: UTF-8 bytes of text the targets spell out (a line's end counts as one byte).
     # Loss per byte compares models whose tokens differ: a byte-level model and Qwen's BPE.
     target_bytes: torch.Tensor
-    # (N, T) int64 for packed rows: each example's positions restart at 0 (see pack_rows)
+    # (N, T) int64 for packed rows: each example's positions restart at 0 (pack_rows, section 10)
     positions: torch.Tensor | None = None
 
     def __len__(self) -> int:
@@ -614,6 +620,14 @@ class TinyTransformer(nn.Module):
         return self.head(self.ln_f(x))
 
 
+def load_tiny_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> TinyTransformer:
+    """Rebuild the trained tiny model from its checkpoint file alone."""
+    ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    model = TinyTransformer(TinyConfig(**ckpt["config"]))
+    model.load_state_dict(ckpt["model"])
+    return model.eval()
+
+
 @torch.no_grad()
 def generate_bytes(model: TinyTransformer, prompt: str, max_new: int, seed: int) -> str:
     """Sample a continuation of the prompt until the end of the line (the model's own "\\n")."""
@@ -703,13 +717,49 @@ def build_tiny_kit(cfg: RunConfig, d: Dist, lines: list[str], val_lines: list[st
 # ----------------------------------------------------------------------------------------------
 
 
-def wrap_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats) -> nn.Module:
-    if d.distributed and cfg.sharding == "full":
-        model = shard_fully(kit, cfg, d)
-        if isinstance(model, ManualFSDP):  # its all-gathers and reduce-scatters go on the timeline too
-            model.timeline = stats.timeline
-        return model
-    return wrap_data_parallel(kit.trained, cfg, d, stats)
+class CommStats:
+    """Counts what the gradient all-reduce sends, and (for --inspect) keeps the local gradients.
+
+    Both wrappers report every bucket they launch here: torch's DDP through a comm hook, the
+    manual one directly. Counting per optimizer step shows that accumulation's k-1 silent
+    micro-steps send nothing.
+    """
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], compress: bool) -> None:
+        self.name_of = {id(p): name for name, p in named_params}
+        self.compress = compress  # --grad-compression bf16: send bf16, half the bytes
+        self.calls = 0
+        self.bytes = 0
+        self.step_layout: dict[int, tuple[int, list[str]]] = {}
+        self.layout: list[tuple[int, list[str]]] = []  # per bucket: (bytes, parameter names)
+        self.layout_changed = False
+        self.local_grads: dict[str, torch.Tensor] | None = None  # set to {} to capture one step
+        self.timeline: Timeline | None = None  # --trace-steps: each bucket's all-reduce becomes a span
+
+    def record(self, index: int, nbytes: int, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        self.calls += 1
+        self.bytes += nbytes
+        self.step_layout[index] = (nbytes, [self.name_of[id(p)] for p in params])
+        if self.local_grads is not None:  # the gradient this rank computed, before averaging
+            for p, g in zip(params, grads, strict=True):
+                self.local_grads[self.name_of[id(p)]] = g.detach().clone()
+
+    def traced(self, future: torch.futures.Future, index: int, nbytes: int, dtype: torch.dtype) -> torch.futures.Future:
+        if self.timeline is None or not self.timeline.on:
+            return future
+        return self.timeline.collective(
+            "all-reduce", future, {"bucket": index, "bytes": nbytes, "dtype": str(dtype).removeprefix("torch.")}
+        )
+
+    def end_step(self) -> tuple[int, int]:
+        """Close the optimizer step: return (all-reduce calls, bytes) and note the bucket layout."""
+        calls, nbytes = self.calls, self.bytes
+        self.calls = self.bytes = 0
+        if self.step_layout:
+            layout = [self.step_layout[i] for i in sorted(self.step_layout)]
+            self.layout_changed = bool(self.layout) and layout != self.layout
+            self.layout, self.step_layout = layout, {}
+        return calls, nbytes
 
 
 def wrap_data_parallel(model: nn.Module, cfg: RunConfig, d: Dist, stats: CommStats) -> nn.Module:
@@ -758,51 +808,6 @@ def counting_allreduce_hook(stats, bucket):  # no annotations: DDP checks them, 
         future = default_hooks.allreduce_hook(None, bucket)
     wire_dtype = torch.bfloat16 if stats.compress else buffer.dtype
     return stats.traced(future, bucket.index(), wire_bytes, wire_dtype)
-
-
-class CommStats:
-    """Counts what the gradient all-reduce sends, and (for --inspect) keeps the local gradients.
-
-    Both wrappers report every bucket they launch here: torch's DDP through a comm hook, the
-    manual one directly. Counting per optimizer step shows that accumulation's k-1 silent
-    micro-steps send nothing.
-    """
-
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], compress: bool) -> None:
-        self.name_of = {id(p): name for name, p in named_params}
-        self.compress = compress  # --grad-compression bf16: send bf16, half the bytes
-        self.calls = 0
-        self.bytes = 0
-        self.step_layout: dict[int, tuple[int, list[str]]] = {}
-        self.layout: list[tuple[int, list[str]]] = []  # per bucket: (bytes, parameter names)
-        self.layout_changed = False
-        self.local_grads: dict[str, torch.Tensor] | None = None  # set to {} to capture one step
-        self.timeline: Timeline | None = None  # --trace-steps: each bucket's all-reduce becomes a span
-
-    def record(self, index: int, nbytes: int, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-        self.calls += 1
-        self.bytes += nbytes
-        self.step_layout[index] = (nbytes, [self.name_of[id(p)] for p in params])
-        if self.local_grads is not None:  # the gradient this rank computed, before averaging
-            for p, g in zip(params, grads, strict=True):
-                self.local_grads[self.name_of[id(p)]] = g.detach().clone()
-
-    def traced(self, future: torch.futures.Future, index: int, nbytes: int, dtype: torch.dtype) -> torch.futures.Future:
-        if self.timeline is None or not self.timeline.on:
-            return future
-        return self.timeline.collective(
-            "all-reduce", future, {"bucket": index, "bytes": nbytes, "dtype": str(dtype).removeprefix("torch.")}
-        )
-
-    def end_step(self) -> tuple[int, int]:
-        """Close the optimizer step: return (all-reduce calls, bytes) and note the bucket layout."""
-        calls, nbytes = self.calls, self.bytes
-        self.calls = self.bytes = 0
-        if self.step_layout:
-            layout = [self.step_layout[i] for i in sorted(self.step_layout)]
-            self.layout_changed = bool(self.layout) and layout != self.layout
-            self.layout, self.step_layout = layout, {}
-        return calls, nbytes
 
 
 def no_sync(model: nn.Module) -> contextlib.AbstractContextManager:
@@ -953,18 +958,13 @@ def loss_scale(cfg: RunConfig, d: Dist, micro_tokens: int, global_tokens: float)
     return 1.0 / (micro_tokens * cfg.grad_accum_steps)
 
 
-def global_batch(cfg: RunConfig, d: Dist) -> int:
-    """Examples per optimizer step over all ranks: per-rank batch x ranks x micro-steps."""
-    return cfg.batch_size * d.world_size * cfg.grad_accum_steps
-
-
 def lr_at(cfg: RunConfig, step: int) -> float:
     """Linear warmup from 0 to --lr over the warmup steps, then cosine decay to --min-lr at the
     last step. Without warmup, step 1 trains at the full --lr.
 
     A pure function of the step, identical on every rank, so it needs no saved state.
     """
-    warmup = warmup_steps(cfg)
+    warmup = warmup_steps(cfg)  # --warmup-steps, or a tenth of the run if it is over half of it (section 14)
     if step <= warmup:
         return cfg.lr * step / warmup
     peak = max(warmup, 1)  # the step that trains at the full rate, where the decay starts
@@ -976,17 +976,6 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> float:
     for group in optimizer.param_groups:
         group["lr"] = lr
     return lr
-
-
-def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
-    """The update, the same on every rank (the gradients are); fp16's scaler skips a step whose
-    gradient overflowed and lowers its scale."""
-    if scaler:
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=False)  # in place: .grad stays a view into DDP's bucket
 
 
 def make_optimizer(cfg: RunConfig, d: Dist, params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -1018,9 +1007,15 @@ def clip_gradients(model: nn.Module, params: list[nn.Parameter], max_norm: float
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
-def local_part(t: torch.Tensor) -> torch.Tensor:
-    """The slice of a tensor this rank holds: a DTensor's local shard (fully_shard), else the tensor."""
-    return t.to_local() if hasattr(t, "to_local") else t
+def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
+    """The update, the same on every rank (the gradients are); fp16's scaler skips a step whose
+    gradient overflowed and lowers its scale."""
+    if scaler:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=False)  # in place: .grad stays a view into DDP's bucket
 
 
 @dataclass
@@ -1044,7 +1039,9 @@ class TrainResult:
 
 
 def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings: dict) -> TrainResult:
-    """The training loop. `settings` (run_settings, rank 0 only) go into every checkpoint."""
+    """The loop: each rank's slice, one small all-reduce before backward, k-1 micro-steps in no_sync,
+    backward (the bucket all-reduces), finish_gradient_sync, clip, step. The rest is side work from
+    below the banner: timeline (section 13), faults, timers (14), reports (15), checkpoints (16)."""
     loader, sampler = make_train_loader(kit.train, cfg, d)
     named_params = [(n, p) for n, p in kit.model.named_parameters() if p.requires_grad]
     stats = CommStats(named_params, compress=cfg.grad_compression == "bf16")
@@ -1084,7 +1081,8 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
         # global token count the loss divides by, whether any rank was asked to stop, and
         # whether rank 0's last metrics write failed.
         global_tokens, stop_votes, failed = all_reduce_sum(
-            d, [sum(micro_tokens), STOP.signal is not None, reporter.failure is not None]
+            d,
+            [sum(micro_tokens), STOP.signal is not None, reporter.failure is not None],  # STOP: section 14
         )
         if failed:
             reporter.share_failure()
@@ -1553,6 +1551,15 @@ def fsdp_no_sync(model: nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
+def wrap_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats) -> nn.Module:
+    if d.distributed and cfg.sharding == "full":
+        model = shard_fully(kit, cfg, d)
+        if isinstance(model, ManualFSDP):  # its all-gathers and reduce-scatters go on the timeline too
+            model.timeline = stats.timeline
+        return model
+    return wrap_data_parallel(kit.trained, cfg, d, stats)
+
+
 # ==============================================================================================
 # Everything above is the DDP you came to read: settings, ranks, data, model, gradient sync, the
 # training loop, sharding. A reader who came for DDP may stop here.
@@ -1666,6 +1673,9 @@ def _name_list(text: str) -> tuple[str, ...]:
     if not names:
         raise argparse.ArgumentTypeError("must name at least one layer, e.g. q_proj,v_proj")
     return names
+
+
+ALL_LINEAR = "all-linear"  # --lora-targets in PEFT's own spelling: every linear layer but the output head
 
 
 # --model qwen, the first name of the pretrained path, stays a working spelling of --model hf.
@@ -2674,16 +2684,15 @@ def flatten_rows(batch: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, .
 
 
 # ----------------------------------------------------------------------------------------------
-# 11. Pretrained models: Qwen2.5, Llama, Gemma, Mistral, Phi-3 with LoRA; the tiny model's checkpoint and size check
+# 11. Pretrained models: Qwen2.5, Llama, Gemma, Mistral, Phi-3, ... with LoRA; the tiny model's size check
 # ----------------------------------------------------------------------------------------------
 
 
-def load_tiny_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> TinyTransformer:
-    """Rebuild the trained tiny model from its checkpoint file alone."""
-    ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    model = TinyTransformer(TinyConfig(**ckpt["config"]))
-    model.load_state_dict(ckpt["model"])
-    return model.eval()
+# The pretrained path's outputs keep the names they had when it served Qwen alone: users' scripts read them.
+QWEN_FINAL = "qwen_lora"  # the trained adapters and tokenizer, in OUTPUT_DIR
+
+
+QWEN_FULL_FINAL = "qwen_full"  # --finetune full: the whole fine-tuned model and tokenizer, in OUTPUT_DIR
 
 
 def check_model_fits(n_params: int, d: Dist) -> None:
@@ -3015,16 +3024,6 @@ def unsupported_attention(cfg: RunConfig, error: BaseException) -> str | None:
     )
 
 
-def first_line(error: BaseException) -> str:
-    text = str(error).strip().removeprefix(CALLBACK_WRAPPER)
-    # Gloo appends advice ("This is typically caused by...") that buries the fact itself.
-    return text.splitlines()[0].split(" This is typically")[0] if text else type(error).__name__
-
-
-# How torch words an error that reaches a future through a .then() callback (--trace-steps adds one).
-CALLBACK_WRAPPER = "Got the following error when running the callback: RuntimeError: "
-
-
 def attention_width(config: object) -> int:
     """Query heads x head size: the width of attention's score and mixing matmuls."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -3134,6 +3133,11 @@ def into_shard(model: nn.Module, p: nn.Parameter, whole: torch.Tensor) -> torch.
 
         return distribute_tensor(whole.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
     return whole
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """The slice of a tensor this rank holds: a DTensor's local shard (fully_shard), else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 # ----------------------------------------------------------------------------------------------
@@ -3716,8 +3720,24 @@ def raise_non_finite(d: Dist, step: int, loss: float, grad_norm: float, local_lo
 
 
 # ----------------------------------------------------------------------------------------------
-# 15. Evaluate and report: held-out loss, the progress bar or log lines, metrics, plots, the trace file, summary
+# 15. Evaluate and report: held-out loss, progress, metrics, plots, the trace file, the memory table, summary
 # ----------------------------------------------------------------------------------------------
+
+
+def say(message: str) -> None:
+    """Print a line on stdout without breaking a progress bar drawn on stderr."""
+    tqdm.write(message, file=sys.stdout)
+    sys.stdout.flush()
+
+
+def log(d: Dist, message: str) -> None:
+    if d.is_main:
+        say(message)
+
+
+def global_batch(cfg: RunConfig, d: Dist) -> int:
+    """Examples per optimizer step over all ranks: per-rank batch x ranks x micro-steps."""
+    return cfg.batch_size * d.world_size * cfg.grad_accum_steps
 
 
 @torch.no_grad()
@@ -4259,7 +4279,7 @@ def print_summary(
 
 
 # ----------------------------------------------------------------------------------------------
-# 16. Save: rank 0 writes while everyone meets at a barrier; locks, checkpoints and resume, stop markers
+# 16. Save: rank 0 writes while the others wait for it; locks, checkpoints and resume, stop markers
 # ----------------------------------------------------------------------------------------------
 
 
