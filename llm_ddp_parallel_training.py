@@ -174,7 +174,7 @@ class RunConfig:
     grad_compression: str
     verify_sync: int
     inspect: bool
-    inject_fault: FaultPlan | None
+    inject_fault: FaultPlan | None  # --inject-fault RANK:STEP[:KIND] (section 8)
     # checkpoints and resume
     save_every: int
     keep_last: int
@@ -489,7 +489,8 @@ def trim_padding(batch: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, .
 def collate_for(cfg: RunConfig) -> Callable[[list], tuple[torch.Tensor, ...]]:
     """How a micro-batch is stacked. Under sdpa and eager, packed rows stay rows: transformers builds
     each row a block-diagonal causal mask from its position_ids, and one long row would make that
-    mask (and attention's work) grow with the square of the whole micro-batch."""
+    mask (and attention's work) grow with the square of the whole micro-batch. (flash_attention_2
+    needs one row per micro-batch: flatten_rows, section 10.)"""
     flash = cfg.model == "hf" and cfg.pack and cfg.attn_implementation.startswith("flash_attention")
     return flatten_rows if flash else trim_padding
 
@@ -663,7 +664,7 @@ class ModelKit:
     flops_per_token: float  # training FLOPs per token, for MFU
     describe: str
     data_report: str = ""  # what became of the records on the way to examples
-    loss_module: nn.Module | None = None  # what DDP wraps and `loss` runs, if not the model itself
+    loss_module: nn.Module | None = None  # what DDP wraps and `loss` runs, if not the model (LeanHeadLoss, section 11)
     blocks: list[nn.Module] = field(default_factory=list)  # the Transformer blocks: FSDP's units
     reload: Callable[[Path], nn.Module] | None = None  # save_final's output read back, as a plain model
 
@@ -681,7 +682,7 @@ def build_tiny_kit(cfg: RunConfig, d: Dist, lines: list[str], val_lines: list[st
     config = TinyConfig(
         seq_len=cfg.seq_len, d_model=cfg.d_model, n_heads=cfg.n_heads, n_layers=cfg.n_layers, dropout=cfg.dropout
     )
-    check_model_fits(tiny_parameter_count(config), d)
+    check_model_fits(tiny_parameter_count(config), d)  # a clear refusal, not an allocation error (section 11)
     # Same seed on every rank: the replicas start identical. (DDP would also broadcast rank
     # 0's weights when it wraps the model, but equal seeds make single-process runs match.)
     torch.manual_seed(cfg.seed)
