@@ -5196,7 +5196,6 @@ def tell_torchrun(line: str, later: bool = False) -> None:
         Path(path).write_text(json.dumps({"message": {"message": line, "extraInfo": info}}))
 
 
-@record  # a rank's uncaught exception is written where torchrun can show it as the root cause
 def leave_finished() -> None:
     """Exit 0 without the interpreter's shutdown, once every rank has left the process group and
     every file is closed: there the C++ destructors of torch's communication threads occasionally
@@ -5208,6 +5207,7 @@ def leave_finished() -> None:
     os._exit(0)
 
 
+@record  # a rank's uncaught exception is written where torchrun can show it as the root cause
 def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     # Training drives some gradients into denormal floats (below 1.2e-38), which x86 CPUs compute

@@ -50,9 +50,11 @@ def test_one_banner_separates_the_teaching_core_from_the_production_machinery():
     assert first_line("# 7. Sharding:") < stops[0] < first_line("# 8. Command line:")
 
 
-def test_main_comes_last():
-    defs = [n.name for n in ast.parse(SOURCE).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
-    assert defs[-1] == "main"
+def test_main_comes_last_and_still_records_a_ranks_uncaught_error_for_torchrun():
+    defs = [n for n in ast.parse(SOURCE).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    assert defs[-1].name == "main"
+    assert [ast.unparse(d) for d in defs[-1].decorator_list] == ["record"]
+    assert not [n.name for n in defs[:-1] if "record" in map(ast.unparse, n.decorator_list)]
 
 
 def test_the_readmes_reading_path_names_functions_in_the_sections_it_gives():
