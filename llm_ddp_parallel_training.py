@@ -3741,7 +3741,6 @@ def global_batch(cfg: RunConfig, d: Dist) -> int:
     return cfg.batch_size * d.world_size * cfg.grad_accum_steps
 
 
-@torch.no_grad()
 def announce_run(
     cfg: RunConfig,
     d: Dist,
@@ -3780,6 +3779,7 @@ def evaluation_due(cfg: RunConfig, kit: ModelKit, step: int) -> bool:
     return kit.val is not None and (step == cfg.max_steps or bool(cfg.eval_every and step % cfg.eval_every == 0))
 
 
+@torch.no_grad()
 def evaluate(cfg: RunConfig, d: Dist, kit: ModelKit, precision: str) -> dict[str, float]:
     """The exact token-weighted loss on the held-out lines, computed by all ranks together.
 
