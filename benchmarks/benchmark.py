@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -330,6 +331,34 @@ def stop_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)  # unwinds like Ctrl-C does, so the clean-up below runs
 
 
+def in_output_folder(
+    out: Path | None, keep: bool, prefix: str, work: Callable[[Path, bool], None], stop: Callable[[], None]
+) -> None:
+    """work(folder, removed) in --out DIR, or in a temp folder that is removed at the end (unless
+    --keep-outputs), also when a run fails or the benchmark is stopped (Ctrl-C, SIGTERM): `stop`
+    ends the children still running first. benchmarks/memory.py uses it too."""
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
+    folder = out or Path(tempfile.mkdtemp(prefix=prefix))
+    remove = out is None and not keep  # a folder the user named is never removed
+    done = False
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        work(folder, remove)
+        done = True
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a repeated SIGTERM must not cut the clean-up short
+        stop()
+        if remove:
+            shutil.rmtree(folder, ignore_errors=True)
+            if done:
+                print("\nthe runs' outputs and results.json were in a temp folder, now removed "
+                      "(--keep-outputs or --out DIR keeps them)")  # fmt: skip
+        elif done:
+            print(f"\nraw results: {folder / 'results.json'}\noutputs kept in {folder}")
+        else:
+            print(f"outputs so far kept in {folder}", file=sys.stderr)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="one short repeat of everything, small sizes")
@@ -350,26 +379,13 @@ def main() -> None:
     args = p.parse_args()
     if args.allreduce_worker:
         return allreduce_worker(args.allreduce_worker)
-    signal.signal(signal.SIGTERM, stop_on_sigterm)
-    out = args.out or Path(tempfile.mkdtemp(prefix="ddp-benchmark-"))
-    remove = args.out is None and not args.keep_outputs  # a folder the user named is never removed
-    done = False
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        measure(out, args.smoke, 1 if args.smoke else args.repeats)
-        done = True
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a repeated SIGTERM must not cut the clean-up short
-        stop_children()
-        if remove:
-            shutil.rmtree(out, ignore_errors=True)
-            if done:
-                print("\nthe runs' outputs and results.json were in a temp folder, now removed "
-                      "(--keep-outputs or --out DIR keeps them)")  # fmt: skip
-        elif done:
-            print(f"\nraw results: {out / 'results.json'}\noutputs kept in {out}")
-        else:
-            print(f"outputs so far kept in {out}", file=sys.stderr)
+    in_output_folder(
+        args.out,
+        args.keep_outputs,
+        "ddp-benchmark-",
+        lambda out, _removed: measure(out, args.smoke, 1 if args.smoke else args.repeats),
+        stop_children,
+    )
 
 
 def measure(out: Path, smoke: bool, repeats: int) -> None:

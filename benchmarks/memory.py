@@ -44,12 +44,10 @@ import json
 import os
 import platform
 import shlex
-import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +55,9 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))  # also when it is loaded as a module, as a test does
+from benchmark import in_output_folder  # noqa: E402  (the temp-folder lifecycle: one, for both benchmarks)
+
 SCRIPT = REPO / "llm_ddp_parallel_training.py"
 TINY_QWEN = REPO / "tests" / "tiny_qwen.py"
 TABLE = REPO / "benchmarks" / "memory_results.md"
@@ -531,10 +532,6 @@ STEPS, WARMUP = 12, 4  # the first steps touch fresh memory and warm caches: not
 SMOKE_STEPS, SMOKE_WARMUP = 2, 1
 
 
-def stop_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)  # unwinds like Ctrl-C does, so the clean-up below runs
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="each kind of run once, small sizes, 1 and 2 ranks")
@@ -553,30 +550,15 @@ def main() -> None:
         help="keep the temp folder (removed by default, also on failure or Ctrl-C) and print its path",
     )
     args = p.parse_args()
-    signal.signal(signal.SIGTERM, stop_on_sigterm)
-    out = args.out or Path(tempfile.mkdtemp(prefix="memory-benchmark-"))
-    remove = args.out is None and not args.keep_outputs  # a folder the user named is never removed
-    done = False
-    try:
-        out.mkdir(parents=True, exist_ok=True)
+
+    def work(out: Path, removed: bool) -> None:
         if args.smoke:  # the smoke's numbers mean nothing: never over the measured ones
             table, figure = (out / TABLE.name, out / FIGURE.name) if args.out else (None, None)
         else:
             table, figure = TABLE, FIGURE
-        measure(out, args.smoke, 1 if args.smoke else args.repeats, table, figure, kept=not remove)
-        done = True
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a repeated SIGTERM must not cut the clean-up short
-        stop_children()
-        if remove:
-            shutil.rmtree(out, ignore_errors=True)
-            if done:
-                print("\nthe runs' outputs and results.json were in a temp folder, now removed "
-                      "(--keep-outputs or --out DIR keeps them)")  # fmt: skip
-        elif done:
-            print(f"\nraw results: {out / 'results.json'}\noutputs kept in {out}")
-        else:
-            print(f"outputs so far kept in {out}", file=sys.stderr)
+        measure(out, args.smoke, 1 if args.smoke else args.repeats, table, figure, kept=not removed)
+
+    in_output_folder(args.out, args.keep_outputs, "memory-benchmark-", work, stop_children)
 
 
 def measure(out: Path, smoke: bool, repeats: int, table: Path | None, figure: Path | None, kept: bool) -> None:
