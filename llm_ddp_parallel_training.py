@@ -41,6 +41,8 @@ Run it as one plain process, under torchrun on one or many machines, or let it s
 from __future__ import annotations
 
 import argparse
+import codecs
+import collections
 import contextlib
 import errno
 import functools
@@ -52,6 +54,7 @@ import io
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import random
 import re
@@ -64,7 +67,9 @@ import tempfile
 import threading
 import time
 import warnings
+import zlib
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
@@ -128,6 +133,10 @@ class RunConfig:
     data_format: str
     train_on_prompt: bool
     show_examples: int
+    cache_dir: Path | None  # the token cache's folder (section 10); None: --cache-dir none, in memory
+    dataset: str | None  # --dataset: read with Hugging Face datasets instead of corpus_file
+    dataset_split: str
+    dataset_config: str | None
     # tiny model shape
     d_model: int
     n_heads: int
@@ -358,9 +367,9 @@ def all_reduce_sum(d: Dist, values: list[float]) -> list[float]:
 
 
 def read_corpus_lines(path: Path) -> list[str]:
-    """One training sample per line; blank lines are skipped."""
-    lines = [line.strip() for line in read_text_file(path).split("\n")]
-    lines = [line for line in lines if line]
+    """One training sample per line, stripped; blank lines are skipped. (Training streams the file
+    into the token cache instead, section 10: this is for a look at a small file.)"""
+    lines = list(text_lines(path))
     if not lines:
         raise UsageError(f"corpus file has no non-blank lines: {path}")
     return lines
@@ -368,7 +377,7 @@ def read_corpus_lines(path: Path) -> list[str]:
 
 @dataclass(frozen=True)
 class Examples(Dataset):
-    """Token tensors built once, up front. Row i is one example: inputs[i] predicts targets[i]."""
+    """Rows as padded tensors, all in memory: a handful of rows to look at (Rows.whole), or your own."""
 
     inputs: torch.Tensor  # (N, T) int64
     targets: torch.Tensor  # (N, T) int64, IGNORE_INDEX on padding
@@ -386,12 +395,59 @@ class Examples(Dataset):
             return self.inputs[i], self.targets[i]
         return self.inputs[i], self.targets[i], self.positions[i]
 
-    def set_epoch(self, epoch: int) -> None:
-        """Fixed examples: only the sampler's order changes between epochs."""
 
-    def digest(self) -> str:
-        tensors = [self.inputs, self.targets] + ([self.positions] if self.positions is not None else [])
-        return sha256(b"".join(t.numpy().tobytes() for t in tensors))
+class Rows(Dataset):
+    """Training examples made one row at a time, when a batch asks for it, from flat arrays of
+    tokens (memory-mapped from the token cache, section 10): nothing is ever held padded to
+    seq_len, so memory does not grow with seq_len x examples. Row i is (inputs, targets[,
+    positions]), each of seq_len tokens; trim_padding then cuts the batch to its longest row."""
+
+    def set_epoch(self, epoch: int) -> None:
+        """Fixed rows: only the sampler's order changes between epochs."""
+
+    @functools.cached_property
+    def whole(self) -> Examples:
+        """Every row at once, padded: for looking at a few rows, never for a real data set."""
+        columns = [torch.stack(c) for c in zip(*(self[i] for i in range(len(self))), strict=True)]
+        return Examples(columns[0], columns[1], self.target_bytes, columns[2] if len(columns) > 2 else None)
+
+    inputs = property(lambda self: self.whole.inputs)
+    targets = property(lambda self: self.whole.targets)
+    positions = property(lambda self: self.whole.positions)
+
+
+@dataclass(frozen=True)
+class Lines:
+    """A corpus of lines for the byte model, as the one byte stream packed_stream would make of
+    them, b"\\n" + b"\\n".join(lines) + b"\\n": the bytes are the tokens. Line i is
+    stream[edges[i] + 1 : edges[i + 1]], framed by the newlines at edges[i] and edges[i + 1].
+    `chosen` is the lines this set uses (training or held out), in file order."""
+
+    stream: np.ndarray  # uint8, memory-mapped from the token cache (section 10) or in memory
+    edges: np.ndarray  # (N + 1,) the framing newlines' positions
+    key: str  # what the bytes are: the token cache's key, part of the training data's digest
+    chosen: np.ndarray | None = None  # None: every line
+
+    @classmethod
+    def from_texts(cls, texts: list[str]) -> Lines:
+        encoded = [t.encode("utf-8") for t in texts]
+        stream = np.frombuffer(packed_stream(texts), dtype=np.uint8)
+        edges = np.concatenate([[0], np.cumsum([len(b) + 1 for b in encoded], dtype=np.int64)])
+        return cls(stream, edges, sha256(stream.tobytes()))
+
+    def __len__(self) -> int:
+        return len(self.edges) - 1 if self.chosen is None else len(self.chosen)
+
+    fmt = "text"  # lines, as describe_records says it
+
+    def subset(self, chosen: np.ndarray) -> Lines:
+        return replace(self, chosen=chosen)
+
+    def lines(self) -> np.ndarray:
+        return np.arange(len(self.edges) - 1) if self.chosen is None else self.chosen
+
+    def digest(self, what: str) -> str:
+        return sha256(f"{self.key}:{what}:".encode() + self.lines().tobytes())
 
 
 def packed_stream(lines: list[str]) -> bytes:
@@ -399,7 +455,31 @@ def packed_stream(lines: list[str]) -> bytes:
     return b"\n" + b"\n".join(line.encode("utf-8") for line in lines) + b"\n"
 
 
-class ShiftingWindows(Dataset):
+class Pieces:
+    """The chosen lines read as packed_stream(those lines) would lay them out, without copying
+    them: each run of consecutive chosen lines is one piece of the corpus's stream."""
+
+    def __init__(self, corpus: Lines) -> None:
+        chosen, edges = corpus.lines(), corpus.edges
+        cut = np.flatnonzero(np.diff(chosen) != 1) + 1  # where a run of consecutive lines ends
+        first, last = chosen[np.concatenate([[0], cut])], chosen[np.concatenate([cut - 1, [len(chosen) - 1]])]
+        # A run is its lines, each with its closing newline; the first run also takes the newline before it.
+        self.starts = edges[first] + 1
+        self.starts[0] -= 1
+        self.cum = np.concatenate([[0], np.cumsum(edges[last + 1] + 1 - self.starts)])
+        self.stream = corpus.stream
+
+    def __len__(self) -> int:
+        return int(self.cum[-1])
+
+    def read(self, at: int, n: int) -> torch.Tensor:
+        """Bytes [at, at + n) of the laid-out stream (fewer at its end), as int64 token ids."""
+        where = np.arange(at, min(at + n, len(self)))
+        piece = np.searchsorted(self.cum, where, side="right") - 1
+        return torch.from_numpy(self.stream[self.starts[piece] + where - self.cum[piece]].astype(np.int64))
+
+
+class ShiftingWindows(Rows):
     """Packed training data: one byte stream, cut into seq_len windows at an offset that moves
     every epoch. Every window is full: no compute goes to padding.
 
@@ -409,27 +489,73 @@ class ShiftingWindows(Dataset):
     comes from --seed and the epoch: the same on every rank, and the same again on resume.
     """
 
-    def __init__(self, lines: list[str], seq_len: int, seed: int) -> None:
-        self.stream = torch.frombuffer(bytearray(packed_stream(lines)), dtype=torch.uint8)  # 1 byte a token until used
-        self.seq_len, self.seed, self.offset = seq_len, seed, 0
+    def __init__(self, corpus: Lines, seq_len: int, seed: int) -> None:
+        self.stream, self.seq_len, self.seed, self.offset = Pieces(corpus), seq_len, seed, 0
+        self.key = corpus.digest(f"windows:{seq_len}")
 
     def __len__(self) -> int:
         return max(0, (len(self.stream) - 1) // self.seq_len - 1)  # windows that fit at any offset
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        start = self.offset + i * self.seq_len
-        window = self.stream[start : start + self.seq_len + 1].long()
+        window = self.stream.read(self.offset + i * self.seq_len, self.seq_len + 1)
         return window[:-1], window[1:]
 
     def set_epoch(self, epoch: int) -> None:
         generator = torch.Generator().manual_seed(self.seed + epoch)
         self.offset = int(torch.randint(self.seq_len, (), generator=generator))
 
+    @property
+    def target_bytes(self) -> torch.Tensor:
+        return torch.full((len(self),), self.seq_len, dtype=torch.long)  # every window is full
+
     def digest(self) -> str:
-        return sha256(self.stream.numpy().tobytes() + str(self.seq_len).encode())
+        return self.key
 
 
-def encode_lines_as_bytes(lines: list[str], seq_len: int, pack: bool) -> Examples:
+class ByteWindows(Rows):
+    """Fixed byte examples: each span of the stream cut into windows of seq_len targets that
+    overlap by one byte, so every byte is a target exactly once; only a span's last window is
+    padded. Spans are the chosen lines, each framed by its newlines (one line per example), or
+    the chosen lines laid end to end as one span (packed, as the held-out set is)."""
+
+    def __init__(self, corpus: Lines, seq_len: int, pack: bool) -> None:
+        self.stream, self.seq_len = Pieces(corpus), seq_len
+        if pack:
+            self.starts, self.lengths = np.array([0]), np.array([len(self.stream)])
+        else:  # line i spans edges[i] .. edges[i + 1], in the laid-out stream
+            self.stream = Pieces(Lines(corpus.stream, corpus.edges, corpus.key))
+            lines = corpus.lines()
+            self.starts, self.lengths = corpus.edges[lines], corpus.edges[lines + 1] + 1 - corpus.edges[lines]
+        self.cum = np.concatenate([[0], np.cumsum((self.lengths - 2) // seq_len + 1)])
+        self.key = corpus.digest(f"{'packed' if pack else 'lines'}:{seq_len}")
+
+    def __len__(self) -> int:
+        return int(self.cum[-1])
+
+    def window(self, i: int) -> tuple[int, int]:
+        span = int(np.searchsorted(self.cum, i, side="right")) - 1
+        cut = (i - int(self.cum[span])) * self.seq_len
+        return int(self.starts[span]) + cut, min(self.seq_len + 1, int(self.lengths[span]) - cut)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = self.stream.read(*self.window(i))
+        inputs = torch.zeros(self.seq_len, dtype=torch.long)
+        targets = torch.full((self.seq_len,), IGNORE_INDEX, dtype=torch.long)
+        inputs[: len(ids) - 1], targets[: len(ids) - 1] = ids[:-1], ids[1:]
+        return inputs, targets
+
+    @functools.cached_property
+    def target_bytes(self) -> torch.Tensor:
+        """Each row's targets: its window's bytes but the first."""
+        span = np.repeat(np.arange(len(self.lengths)), np.diff(self.cum))
+        cut = (np.arange(len(self)) - self.cum[span]) * self.seq_len
+        return torch.from_numpy(np.minimum(self.seq_len + 1, self.lengths[span] - cut) - 1)
+
+    def digest(self) -> str:
+        return self.key
+
+
+def encode_lines_as_bytes(lines: list[str], seq_len: int, pack: bool) -> ByteWindows:
     """Byte-level examples. Every line is framed by newlines: b"\n" + line + b"\n".
 
     The opening newline is the "start of line" the first byte is predicted from; the closing
@@ -444,35 +570,34 @@ def encode_lines_as_bytes(lines: list[str], seq_len: int, pack: bool) -> Example
     Either way, a span longer than seq_len is cut into windows that overlap by one byte, so
     every byte is a target exactly once; padded positions get IGNORE_INDEX.
     """
-    spans = [packed_stream(lines)] if pack else [b"\n" + line.encode("utf-8") + b"\n" for line in lines]
-    windows = [span[start : start + seq_len + 1] for span in spans for start in range(0, len(span) - 1, seq_len)]
-    inputs = torch.zeros(len(windows), seq_len, dtype=torch.long)
-    targets = torch.full((len(windows), seq_len), IGNORE_INDEX, dtype=torch.long)
-    for i, w in enumerate(windows):
-        ids = torch.frombuffer(bytearray(w), dtype=torch.uint8).long()
-        inputs[i, : len(ids) - 1] = ids[:-1]
-        targets[i, : len(ids) - 1] = ids[1:]
-    return Examples(inputs, targets, (targets != IGNORE_INDEX).sum(dim=1))
+    return ByteWindows(Lines.from_texts(lines), seq_len, pack)
 
 
-def split_lines(lines: list, val_fraction: float, seed: int) -> tuple[list, list]:
-    """Hold out a fraction of the lines (or records) for validation: the same ones on every rank.
+def split_indices(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Hold out a fraction of the n lines (or records) for validation: the same ones on every rank.
+    Returns the training and the held-out indices, each in file order.
 
     The split comes from a generator seeded by --seed alone (not by the rank), so all ranks
     agree on it without talking; a rank-dependent split would leak held-out lines into
     another rank's training data.
     """
-    n_val = max(1, round(len(lines) * val_fraction)) if val_fraction else 0
-    if n_val >= len(lines):
+    n_val = max(1, round(n * val_fraction)) if val_fraction else 0
+    if n_val >= n:
         raise UsageError(
-            f"corpus too small: {len(lines)} line(s) cannot be split into training and validation lines "
+            f"corpus too small: {n} line(s) cannot be split into training and validation lines "
             f"(--val-fraction {val_fraction}); add lines or pass --val-fraction 0"
         )
-    order = torch.randperm(len(lines), generator=torch.Generator().manual_seed(seed)).tolist()
-    held_out = set(order[:n_val])
-    train = [line for i, line in enumerate(lines) if i not in held_out]
-    val = [line for i, line in enumerate(lines) if i in held_out]
-    return train, val
+    held_out = np.zeros(n, dtype=bool)
+    if n_val:  # int32: the same permutation as int64's, in half the memory (a million lines: 4 MB)
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed), dtype=torch.int32)
+        held_out[order[:n_val].numpy()] = True
+    return np.flatnonzero(~held_out), np.flatnonzero(held_out)
+
+
+def split_lines(lines: list, val_fraction: float, seed: int) -> tuple[list, list]:
+    """split_indices, for a list of lines or records."""
+    train, val = split_indices(len(lines), val_fraction, seed)
+    return [lines[i] for i in train], [lines[i] for i in val]
 
 
 def trim_padding(batch: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
@@ -495,9 +620,7 @@ def collate_for(cfg: RunConfig) -> Callable[[list], tuple[torch.Tensor, ...]]:
     return flatten_rows if flash else trim_padding
 
 
-def make_train_loader(
-    dataset: Examples | ShiftingWindows, cfg: RunConfig, d: Dist
-) -> tuple[DataLoader, DistributedSampler]:
+def make_train_loader(dataset: Dataset, cfg: RunConfig, d: Dist) -> tuple[DataLoader, DistributedSampler]:
     # Every rank builds the same permutation (same seed, same epoch) and keeps every
     # world_size-th index starting at its rank: disjoint shards that together cover the data.
     # drop_last trims the permutation to a multiple of world_size instead of padding it with
@@ -652,8 +775,8 @@ class ModelKit:
     """What the shared training loop needs from a model path; the rest stays in its builder."""
 
     model: nn.Module  # the plain model; DDP wraps it later
-    train: Examples | ShiftingWindows
-    val: Examples | None  # held-out lines (--val-fraction), fixed windows; None when there are none
+    train: Rows
+    val: Rows | None  # held-out lines (--val-fraction), fixed windows; None when there are none
     # (module, inputs, targets[, positions]) -> the sum of the target tokens' losses
     loss: Callable[..., torch.Tensor]
     sample: Callable[[nn.Module, str], str]  # (unwrapped model, prompt) -> text
@@ -678,7 +801,7 @@ def tiny_parameter_count(c: TinyConfig) -> int:
     return (2 * c.vocab_size + c.seq_len) * c.d_model + c.n_layers * (12 * c.d_model**2 + 2 * c.d_model) + c.d_model
 
 
-def build_tiny_kit(cfg: RunConfig, d: Dist, lines: list[str], val_lines: list[str]) -> ModelKit:
+def build_tiny_kit(cfg: RunConfig, d: Dist, lines: Lines, val_lines: Lines) -> ModelKit:
     config = TinyConfig(
         seq_len=cfg.seq_len, d_model=cfg.d_model, n_heads=cfg.n_heads, n_layers=cfg.n_layers, dropout=cfg.dropout
     )
@@ -696,10 +819,8 @@ def build_tiny_kit(cfg: RunConfig, d: Dist, lines: list[str], val_lines: list[st
 
     return ModelKit(
         model=model,
-        train=ShiftingWindows(lines, cfg.seq_len, cfg.seed)
-        if cfg.pack
-        else encode_lines_as_bytes(lines, cfg.seq_len, False),
-        val=encode_lines_as_bytes(val_lines, cfg.seq_len, cfg.pack) if val_lines else None,
+        train=ShiftingWindows(lines, cfg.seq_len, cfg.seed) if cfg.pack else ByteWindows(lines, cfg.seq_len, False),
+        val=ByteWindows(val_lines, cfg.seq_len, cfg.pack) if len(val_lines) else None,
         loss=lambda m, ids, targets: token_loss_sum(m(ids), targets),
         sample=lambda raw, prompt: generate_bytes(raw, prompt, cfg.sample_tokens, cfg.seed),
         save_final=save_final,
@@ -1739,6 +1860,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="print the first N records as the model sees them, targets in [[ ]], and exit",
     )
+    g.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="where the corpus is kept tokenized, built once and memory-mapped by every rank (default: "
+        "$XDG_CACHE_HOME or ~/.cache, then llm_ddp_parallel_training); none: tokenize in memory, for this run only",
+    )
 
     g = p.add_argument_group("tiny model")
     g.add_argument("--d-model", type=_positive_int, default=128, help="embedding width")
@@ -1747,6 +1874,14 @@ def build_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--dropout", type=_probability, default=0.0, help="dropout probability")
 
     g = p.add_argument_group(PRETRAINED_GROUP)
+    g.add_argument(
+        "--dataset",
+        metavar="NAME_OR_PATH",
+        help="read the records with Hugging Face datasets instead of --corpus-file: a Hub name, a local "
+        "parquet, JSONL or CSV file, or a folder save_to_disk wrote",
+    )
+    g.add_argument("--dataset-split", default="train", help="the split of --dataset to train on")
+    g.add_argument("--dataset-config", metavar="NAME", help="the configuration of a Hub --dataset that has several")
     g.add_argument(
         "--model-name-or-path",
         default="Qwen/Qwen2.5-0.5B-Instruct",
@@ -1957,6 +2092,10 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         args.lr = (2e-5 if args.finetune == "full" else 2e-4) if args.model == "hf" else 3e-3
     if args.min_lr is None:
         args.min_lr = args.lr / 10
+    if args.cache_dir is None:
+        args.cache_dir = default_cache_dir()
+    else:
+        args.cache_dir = None if args.cache_dir.lower() == "none" else Path(args.cache_dir).expanduser()
     if args.min_lr > args.lr:
         raise UsageError(f"--min-lr {args.min_lr:g} is above --lr {args.lr:g}")
     cfg = RunConfig(**vars(args))
@@ -2192,53 +2331,218 @@ class Record:
     source: str = field(default="", compare=False)  # FILE:LINE, for errors found later
 
 
-def read_text_file(path: Path) -> str:
+# ----- the token cache: each record tokenized once, by one process per machine, memory-mapped by every rank -----
+#
+# A corpus becomes flat arrays, written once into --cache-dir under a key made of everything that
+# decides the tokens; a later run, a resume or a restart with the same inputs memory-maps them and
+# tokenizes nothing. Rank 0 builds first; then the first rank of each machine that cannot see its
+# cache (a node-local --cache-dir) builds its own; then every other rank maps what they built.
+
+CACHE_FORMAT = 1  # raise when what a cache holds, or how records become tokens, changes
+CHUNK_RECORDS = 2000  # records a tokenizing process takes at a time; a source of one chunk starts no pool
+TEXT_CHUNK_BYTES = 4 << 20  # a text corpus is cleaned this many bytes at a time: memory stays flat
+WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx", ".ckpt")
+
+
+def default_cache_dir() -> Path:
+    """Where datasets and transformers keep theirs: $XDG_CACHE_HOME, else ~/.cache."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llm_ddp_parallel_training"
+
+
+def check_readable(path: Path) -> None:
     if not path.exists():
         raise UsageError(f"corpus file not found: {path}")
     if not path.is_file():
         raise UsageError(f"corpus path is not a file: {path}")
+
+
+def not_utf8(path: Path, offset: int) -> UsageError:
+    return UsageError(f"corpus file is not valid UTF-8: {path} (bad byte at offset {offset})")
+
+
+def file_blocks(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(offset, bytes) of the file's whole lines, TEXT_CHUNK_BYTES or so at a time, checked to be UTF-8.
+    A byte-order mark (Windows editors add one) is dropped: trained on, it would be three bytes of
+    noise at the start of the first line."""
+    check_readable(path)
     try:
-        # utf-8-sig drops a byte-order mark (Windows editors add one): trained on, it would be
-        # three bytes of noise at the start of the first line.
-        return path.read_bytes().decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise UsageError(f"corpus file is not valid UTF-8: {path} (bad byte at offset {e.start})") from None
+        with open(path, "rb") as f:
+            rest = f.read(len(codecs.BOM_UTF8))
+            at = len(rest) if rest == codecs.BOM_UTF8 else 0
+            rest = rest[at:]
+            while True:
+                block = f.read(TEXT_CHUNK_BYTES)
+                data = rest + block
+                cut = data.rfind(b"\n") + 1 if block else len(data)  # a newline never sits inside a UTF-8 character
+                data, rest = data[:cut], data[cut:]
+                try:
+                    data.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise not_utf8(path, at + e.start) from None
+                if data:
+                    yield at, data
+                at += cut
+                if not block:
+                    return
     except OSError as e:
         raise UsageError(f"cannot read corpus file {path}: {e.strerror}") from None
 
 
-def read_records(path: Path, data_format: str) -> tuple[list[Record], str]:
-    """The corpus file's records and their format. Any bad record ends the run, naming its line."""
-    if path.suffix.lower() not in (".jsonl", ".json"):
+# What str.strip strips, as bytes: ASCII whitespace, and the UTF-8 forms of Unicode's (U+0085 ... U+3000).
+ASCII_SPACE = np.array([b < 128 and chr(b).isspace() for b in range(256)])
+UNICODE_SPACE = [c.encode() for c in map(chr, range(0x80, 0x3001)) if c.isspace()]
+SPACE_PAIRS = np.array([int.from_bytes(s, "big") for s in UNICODE_SPACE if len(s) == 2])
+SPACE_TRIPLES = np.array([int.from_bytes(s, "big") for s in UNICODE_SPACE if len(s) == 3])
+
+
+def clean_lines(block: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """The block's lines stripped as str.strip strips them, blank ones dropped, all at once in numpy:
+    (the kept lines, each followed by a newline, as one byte array; their lengths)."""
+    a = np.frombuffer(block + b"\0\0\0", dtype=np.uint8)  # room to look past the end
+    breaks = np.flatnonzero(a[: len(block)] == NEWLINE)
+    starts, ends = np.concatenate([[0], breaks + 1]), np.concatenate([breaks, [len(block)]])
+    for _ in range(4):  # ASCII whitespace off both ends of every line, a byte a round
+        lead = (starts < ends) & ASCII_SPACE[a[starts]]
+        starts = starts + lead
+        trail = (starts < ends) & ASCII_SPACE[a[ends - 1]]
+        ends = ends - trail
+        if not (lead.any() or trail.any()):
+            break
+    # The few lines with more whitespace at an edge, or Unicode's, go through str.strip itself.
+    for i in np.flatnonzero((starts < ends) & (edge_space(a, starts, ends))):
+        text = block[starts[i] : ends[i]].decode("utf-8")
+        starts[i] += len(text[: len(text) - len(text.lstrip())].encode("utf-8"))
+        ends[i] = starts[i] + len(text.strip().encode("utf-8"))
+    keep = starts < ends
+    starts, lengths = starts[keep], (ends - starts)[keep]
+    framed = np.array(a)
+    framed[starts + lengths] = NEWLINE  # each kept line's own end, closed by a newline
+    out = np.cumsum(lengths + 1) - (lengths + 1)
+    return framed[np.arange(int((lengths + 1).sum())) + np.repeat(starts - out, lengths + 1)], lengths
+
+
+def edge_space(a: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Which lines still begin or end with whitespace (ASCII, or a Unicode space's 2 or 3 bytes)."""
+    n = ends - starts
+
+    def pairs(i: np.ndarray) -> np.ndarray:
+        return a[i].astype(np.int64) << 8 | a[i + 1]
+
+    def triples(i: np.ndarray) -> np.ndarray:
+        return pairs(i) << 8 | a[i + 2]
+
+    ascii_edge = ASCII_SPACE[a[starts]] | ASCII_SPACE[a[ends - 1]]
+    head = (n >= 2) & np.isin(pairs(starts), SPACE_PAIRS) | (n >= 3) & np.isin(triples(starts), SPACE_TRIPLES)
+    tail = (n >= 2) & np.isin(pairs(ends - 2), SPACE_PAIRS) | (n >= 3) & np.isin(triples(ends - 3), SPACE_TRIPLES)
+    return ascii_edge | head | tail
+
+
+def json_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of each non-blank line of a .jsonl file, read as it streams."""
+    check_readable(path)
+    at = 0
+    try:
+        with open(path, "rb") as f:
+            for number, raw in enumerate(f, 1):
+                skip = len(codecs.BOM_UTF8) if number == 1 and raw.startswith(codecs.BOM_UTF8) else 0
+                try:
+                    line = raw[skip:].decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise not_utf8(path, at + skip + e.start) from None
+                at += len(raw)
+                if line.strip():
+                    yield number, line
+    except OSError as e:
+        raise UsageError(f"cannot read corpus file {path}: {e.strerror}") from None
+
+
+def is_jsonl(path: Path) -> bool:
+    return path.suffix.lower() in (".jsonl", ".json")
+
+
+def text_lines(path: Path) -> Iterator[str]:
+    """A text corpus's lines, stripped, blank ones dropped."""
+    for _, block in file_blocks(path):
+        kept, _ = clean_lines(block)
+        yield from kept.tobytes().decode("utf-8").split("\n")[:-1]
+
+
+def read_records(path: Path, data_format: str, limit: int | None = None) -> tuple[list[Record], str]:
+    """The corpus file's records (its first `limit`) and their format, in memory: for a look at a
+    few (--show-examples) or a small file of one's own; training streams them into the token cache.
+    Any bad record ends the run, naming its line."""
+    if not is_jsonl(path):
         if data_format not in ("auto", "text"):
             raise UsageError(f"--data-format {data_format} needs a .jsonl file; {path} is read as text lines")
-        return [Record(text=line) for line in read_corpus_lines(path)], "text"
-    records, first = [], None
-    for number, line in enumerate(read_text_file(path).split("\n"), 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            obj = json.loads(line)
-        except ValueError as e:
-            raise UsageError(f"{where}: not valid JSON ({e.msg})") from None
-        except RecursionError:
-            raise UsageError(f"{where}: JSON nested too deeply") from None
-        if not isinstance(obj, dict):
-            raise UsageError(f"{where}: a record must be a JSON object, got {type(obj).__name__}")
-        fmt = detect_format(obj, where) if data_format == "auto" else data_format
-        record = parse_record(obj, fmt, where)
-        if first is None:
-            first = (fmt, number)
-        elif fmt != first[0]:
-            raise UsageError(
-                f"{where}: a {fmt} record, but line {first[1]} is {first[0]}: one file holds one format "
-                "(or name it with --data-format)"
-            )
-        records.append(replace(record, source=where))
+        records = [Record(text=line) for line in itertools.islice(text_lines(path), limit)]
+        if not records:
+            raise UsageError(f"corpus file has no non-blank lines: {path}")
+        return records, "text"
+    reading = Reading("jsonl", str(path), data_format)
+    records = [reading.record(item) for item in itertools.islice(json_lines(path), limit)]
     if not records:
         raise UsageError(f"corpus file has no records: {path}")
-    return records, first[0]
+    return records, reading.first[0]
+
+
+@dataclass
+class Reading:
+    """How a source's items become records: lines of text, (number, line) of a .jsonl file, or
+    (index, row) of a dataset (--dataset). The first record's format is every other's."""
+
+    kind: str  # "text", "jsonl", "rows", or "records" (Record objects already)
+    where: str  # the file or the dataset, for errors
+    data_format: str
+    train_on_prompt: bool = False
+    first: tuple[str, int] | None = None  # the first record's format, and its line or row
+
+    def record(self, item: Record | str | tuple[int, str | dict]) -> Record:
+        if self.kind == "records":  # made already (as_tokens)
+            return item
+        if self.kind == "text":
+            return Record(text=item)
+        number, obj = item
+        where = f"{self.where}:{number}" if self.kind == "jsonl" else f"{self.where} row {number}"
+        if self.kind == "jsonl":
+            try:
+                obj = json.loads(obj)
+            except ValueError as e:
+                raise UsageError(f"{where}: not valid JSON ({e.msg})") from None
+            except RecursionError:
+                raise UsageError(f"{where}: JSON nested too deeply") from None
+            if not isinstance(obj, dict):
+                raise UsageError(f"{where}: a record must be a JSON object, got {type(obj).__name__}")
+        fmt = detect_format(obj, where) if self.data_format == "auto" else self.data_format
+        record = parse_record(obj, fmt, where)
+        if self.first is None:
+            self.first = (fmt, number)
+        elif fmt != self.first[0]:
+            line = "line" if self.kind == "jsonl" else "row"
+            raise UsageError(
+                f"{where}: a {fmt} record, but {line} {self.first[1]} is {self.first[0]}: one file holds one format "
+                "(or name it with --data-format)"
+            )
+        return replace(record, source=where)
+
+    def describe(self) -> str:
+        return describe_records(self.first[0] if self.first else "text")
+
+
+def in_chunks(items: Iterator, n: int = CHUNK_RECORDS) -> Iterator[list]:
+    while chunk := list(itertools.islice(items, n)):
+        yield chunk
+
+
+def record_source(cfg: RunConfig) -> tuple[Reading, Iterator[list]]:
+    """The records to tokenize, as chunks of items read as they stream, and how to read each."""
+    if cfg.dataset:
+        return Reading("rows", f"--dataset {cfg.dataset}", cfg.data_format, cfg.train_on_prompt), dataset_rows(cfg)
+    path = cfg.corpus_file
+    if not is_jsonl(path):
+        if cfg.data_format not in ("auto", "text"):
+            raise UsageError(f"--data-format {cfg.data_format} needs a .jsonl file; {path} is read as text lines")
+        return Reading("text", str(path), "text", cfg.train_on_prompt), in_chunks(text_lines(path))
+    return Reading("jsonl", str(path), cfg.data_format, cfg.train_on_prompt), in_chunks(json_lines(path))
 
 
 def detect_format(obj: dict, where: str) -> str:
@@ -2546,7 +2850,7 @@ def clip(text: str, n: int) -> str:
     return text if len(text) <= n else text[:n] + "..."
 
 
-def encode_held_out(records: list[Record], tokenizer: PreTrainedTokenizerBase, cfg: RunConfig) -> Examples:
+def encode_held_out(records: list[Record] | Tokens, tokenizer: PreTrainedTokenizerBase, cfg: RunConfig) -> TokenRows:
     try:
         return encode_records_with_tokenizer(records, tokenizer, cfg.seq_len, cfg.train_on_prompt)[0]
     except UsageError as e:
@@ -2565,63 +2869,135 @@ def turn_closing_token(tokenizer: PreTrainedTokenizerBase) -> int | None:
     return tokenizer.convert_tokens_to_ids(reply.removeprefix("!"))
 
 
+@dataclass(frozen=True)
+class Tokens:
+    """Every record's tokens, end to end: record i is ids[offsets[i] : offsets[i + 1]], and token j
+    counts in the loss where is_target[j] (predicted from token j - 1). Memory-mapped from the
+    token cache, or in memory; `chosen` is the records this set uses, in file order."""
+
+    ids: np.ndarray  # uint16 or uint32: the smallest that holds the vocabulary
+    offsets: np.ndarray  # (N + 1,) int64
+    is_target: np.ndarray  # bool, one per token
+    target_bytes: np.ndarray  # (N,) UTF-8 bytes each whole record's targets spell (count_target_bytes)
+    first_target: np.ndarray  # (N,) where each record's first target after its first token is; its length if none
+    key: str  # the token cache's key, part of the training data's digest
+    chat: bool  # conversations: sampling answers through the chat template
+    completions: bool  # prompt-completion records: sampling continues a prompt with no start token
+    fmt: str = "text"  # the records' format, as the file gives it (describe_records)
+    chosen: np.ndarray | None = None  # None: every record
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1 if self.chosen is None else len(self.chosen)
+
+    def subset(self, chosen: np.ndarray) -> Tokens:
+        return replace(self, chosen=chosen)
+
+    def records(self) -> np.ndarray:
+        return np.arange(len(self.offsets) - 1) if self.chosen is None else self.chosen
+
+
+class TokenRows(Rows):
+    """Pretrained-model examples: each record's tokens cut to its first seq_len + 1, one record a
+    row, or (packed) whole records laid end to end, each with its own positions. A row is its
+    records' slices of the flat arrays, made when a batch asks for it."""
+
+    def __init__(self, tokens: Tokens, seq_len: int, pad_id: int, pack: bool, count_bytes: Callable) -> None:
+        """count_bytes(ids, is_target) counts a cut record's target bytes (count_target_bytes)."""
+        records = tokens.records()
+        lengths = tokens.offsets[records + 1] - tokens.offsets[records]
+        kept_length = np.minimum(lengths, seq_len + 1)
+        # A record cut so short that no target is left would train on nothing (and a step of
+        # nothing but such records would divide by zero): it is dropped.
+        keep = tokens.first_target[records] < kept_length
+        self.counts = {"records": len(records), "truncated": int((lengths > seq_len + 1).sum()),
+                       "dropped": int((~keep).sum())}  # fmt: skip
+        if not keep.any():
+            raise UsageError(f"no record keeps a target token within --seq-len {seq_len}: raise --seq-len")
+        self.records, self.lengths = records[keep], kept_length[keep]
+        self.whole_record = lengths[keep] == self.lengths
+        self.row_starts = pack_rows(self.lengths - 1, seq_len) if pack else np.arange(len(self.records) + 1)
+        self.tokens, self.seq_len, self.pad_id, self.pack, self.count_bytes = tokens, seq_len, pad_id, pack, count_bytes
+        self.key = sha256(f"{tokens.key}:rows:{seq_len}:{pack}:".encode() + self.records.tobytes())
+
+    def __len__(self) -> int:
+        return len(self.row_starts) - 1
+
+    def __getitem__(self, r: int) -> tuple[torch.Tensor, ...]:
+        inputs = torch.full((self.seq_len,), self.pad_id, dtype=torch.long)
+        targets = torch.full((self.seq_len,), IGNORE_INDEX, dtype=torch.long)
+        positions = torch.zeros(self.seq_len, dtype=torch.long)
+        at = 0
+        for j in range(self.row_starts[r], self.row_starts[r + 1]):
+            # Each example keeps its own inputs, targets and positions: nothing crosses over.
+            # Targets are masked by *position*, never by token id: Qwen's pad token may equal its
+            # EOS, and masking by id would also hide every real EOS from the loss.
+            start, n = int(self.tokens.offsets[self.records[j]]), int(self.lengths[j]) - 1
+            ids = torch.from_numpy(self.tokens.ids[start : start + n + 1].astype(np.int64))
+            is_target = torch.from_numpy(self.tokens.is_target[start + 1 : start + n + 1].astype(bool))
+            inputs[at : at + n] = ids[:-1]
+            targets[at : at + n] = torch.where(is_target, ids[1:], IGNORE_INDEX)
+            positions[at : at + n] = torch.arange(n)
+            at += n
+        positions[at:] = torch.arange(self.seq_len - at)  # the padded tail: a "sequence" of its own
+        return (inputs, targets, positions) if self.pack else (inputs, targets)
+
+    @functools.cached_property
+    def target_bytes(self) -> torch.Tensor:
+        """Each row's target bytes: a whole record's from the cache, a cut record's counted now
+        (the held-out set asks, and evaluating it costs far more than this)."""
+        per_record = self.tokens.target_bytes[self.records].astype(np.int64)
+        for j in np.flatnonzero(~self.whole_record):
+            start, n = int(self.tokens.offsets[self.records[j]]), int(self.lengths[j])
+            ids = self.tokens.ids[start : start + n].astype(np.int64)
+            per_record[j] = self.count_bytes(ids, self.tokens.is_target[start : start + n].astype(bool))
+        return torch.from_numpy(np.add.reduceat(per_record, self.row_starts[:-1]))
+
+    def digest(self) -> str:
+        return self.key
+
+
+def pack_rows(lengths: np.ndarray, seq_len: int) -> np.ndarray:
+    """--pack: fill rows of seq_len positions with whole examples, in order (a new row when the
+    next one does not fit), so little compute goes to padding. Returns where each row starts
+    among the examples, and where the last one ends."""
+    starts: list[int] = []
+    free = 0
+    for i, n in enumerate(lengths.tolist()):
+        if n > free:
+            starts.append(i)
+            free = seq_len
+        free -= n
+    return np.array([*starts, len(lengths)], dtype=np.int64)
+
+
 def encode_records_with_tokenizer(
-    records: list[Record],
+    records: list[Record] | Tokens,
     tokenizer: PreTrainedTokenizerBase,
     seq_len: int,
     train_on_prompt: bool = False,
     pack: bool = False,
-) -> tuple[Examples, dict[str, int]]:
-    """Pretrained-model examples: each record's tokens, cut to its first seq_len + 1.
+) -> tuple[TokenRows, dict[str, int]]:
+    """Pretrained-model examples (TokenRows) from records, tokenized here, or from Tokens already
+    made; and what became of the records (cut to --seq-len, dropped with no target left)."""
 
-    A record cut so short that no target is left is dropped: it would train on nothing (and a
-    step of nothing but such records would divide by zero). Targets are masked by *position*,
-    never by token id: Qwen's pad token may equal its EOS, and masking by id would also hide
-    every real EOS from the loss, teaching the model never to stop.
-    """
-    masking = chat_masking(tokenizer) if any(r.messages for r in records) else None
-    kept, counts = [], {"records": len(records), "truncated": 0, "dropped": 0}
-    for sample in records:
-        seq = tokenize_record(sample, tokenizer, train_on_prompt, masking)
-        if len(seq.ids) > seq_len + 1:
-            seq = TokenSequence(seq.ids[: seq_len + 1], seq.is_target[: seq_len + 1])
-            counts["truncated"] += 1
-        if not any(seq.is_target[1:]):
-            counts["dropped"] += 1
-            continue
-        kept.append(seq)
-    if not kept:
-        raise UsageError(f"no record keeps a target token within --seq-len {seq_len}: raise --seq-len")
-    rows = pack_rows(kept, seq_len) if pack else [[seq] for seq in kept]
-    inputs = torch.full((len(rows), seq_len), tokenizer.pad_token_id or 0, dtype=torch.long)
-    targets = torch.full((len(rows), seq_len), IGNORE_INDEX, dtype=torch.long)
-    positions = torch.zeros((len(rows), seq_len), dtype=torch.long)
-    target_bytes = torch.zeros(len(rows), dtype=torch.long)
-    for r, row in enumerate(rows):
-        at = 0
-        for seq in row:  # each example keeps its own inputs, targets and positions: nothing crosses over
-            ids, n = torch.tensor(seq.ids), len(seq.ids) - 1
-            inputs[r, at : at + n] = ids[:-1]
-            targets[r, at : at + n] = torch.where(torch.tensor(seq.is_target[1:]), ids[1:], IGNORE_INDEX)
-            positions[r, at : at + n] = torch.arange(n)
-            target_bytes[r] += count_target_bytes(seq, tokenizer)
-            at += n
-        positions[r, at:] = torch.arange(seq_len - at)  # the padded tail: a "sequence" of its own
-    return Examples(inputs, targets, target_bytes, positions if pack else None), counts
+    def count_bytes(ids: np.ndarray, is_target: np.ndarray) -> int:
+        return count_target_bytes(TokenSequence(ids.tolist(), is_target.tolist()), tokenizer)
+
+    tokens = as_tokens(records, tokenizer, train_on_prompt)
+    rows = TokenRows(tokens, seq_len, tokenizer.pad_token_id or 0, pack, count_bytes)
+    return rows, rows.counts
 
 
-def pack_rows(sequences: list[TokenSequence], seq_len: int) -> list[list[TokenSequence]]:
-    """--pack: fill rows of seq_len positions with whole examples, in order (a new row when the
-    next one does not fit), so little compute goes to padding."""
-    rows: list[list[TokenSequence]] = []
-    free = 0
-    for seq in sequences:
-        if len(seq.ids) - 1 > free:
-            rows.append([])
-            free = seq_len
-        rows[-1].append(seq)
-        free -= len(seq.ids) - 1
-    return rows
+def as_tokens(records: list[Record] | Tokens, tokenizer: PreTrainedTokenizerBase, train_on_prompt: bool) -> Tokens:
+    """Records as Tokens, tokenized in memory (the token cache holds a corpus's already)."""
+    if isinstance(records, Tokens):
+        return records
+    part = tokenize_chunk(Reading("records", "", "auto", train_on_prompt), tokenizer, list(records))
+    offsets = np.concatenate([[0], np.cumsum(part["lengths"])])
+    key = sha256(b"".join(part[k].tobytes() for k in ("ids", "is_target")) + offsets.tobytes())
+    fmt = "messages" if "chat" in part["kinds"] else "prompt-completion" if "completions" in part["kinds"] else "text"
+    return Tokens(part["ids"], offsets, part["is_target"], part["target_bytes"], part["first_target"], key,
+                  "chat" in part["kinds"], "completions" in part["kinds"], fmt)  # fmt: skip
 
 
 def count_target_bytes(seq: TokenSequence, tokenizer: PreTrainedTokenizerBase) -> int:
@@ -2633,9 +3009,20 @@ def count_target_bytes(seq: TokenSequence, tokenizer: PreTrainedTokenizerBase) -
     return len(text.encode("utf-8")) + sum(t in special for t in targets)
 
 
-def encode_lines_with_tokenizer(lines: list[str], tokenizer: PreTrainedTokenizerBase, seq_len: int) -> Examples:
+def encode_lines_with_tokenizer(lines: list[str], tokenizer: PreTrainedTokenizerBase, seq_len: int) -> TokenRows:
     """Text lines as pretrained-model examples (see encode_records_with_tokenizer)."""
     return encode_records_with_tokenizer([Record(text=line) for line in lines], tokenizer, seq_len)[0]
+
+
+def first_records(cfg: RunConfig, n: int) -> list[Record]:
+    """The first n records of the corpus file or --dataset, for --show-examples."""
+    if cfg.dataset:
+        reading = Reading("rows", f"--dataset {cfg.dataset}", cfg.data_format)
+        return [reading.record(item) for item in itertools.islice(itertools.chain(*dataset_rows(cfg)), n)]
+    records, fmt = read_records(cfg.corpus_file, cfg.data_format, n)
+    if cfg.model == "tiny" and fmt != "text":
+        raise UsageError(f"{cfg.corpus_file} holds {fmt} records; the tiny byte model trains on text: use --model hf")
+    return records
 
 
 def show_examples(cfg: RunConfig, d: Dist, records: list[Record]) -> None:
@@ -2684,6 +3071,426 @@ def flatten_rows(batch: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, .
     return tuple(t.reshape(1, -1) for t in trim_padding(batch))
 
 
+def tokenize_chunk(reading: Reading, tokenizer: PreTrainedTokenizerBase, items: list) -> dict:
+    """A chunk of records as flat arrays (see Tokens), and what kinds of record it held."""
+    ids, is_target, lengths, nbytes, first = [], [], [], [], []
+    kinds: set[str] = set()
+    masking = None
+    for item in items:
+        record = reading.record(item)
+        if record.messages is not None and masking is None:
+            masking = chat_masking(tokenizer)
+        seq = tokenize_record(record, tokenizer, reading.train_on_prompt, masking)
+        ids += seq.ids
+        is_target += seq.is_target
+        lengths.append(len(seq.ids))
+        nbytes.append(count_target_bytes(seq, tokenizer))
+        first.append(next((j for j, target in enumerate(seq.is_target) if target and j), len(seq.ids)))
+        kinds.add("chat" if record.messages is not None else "completions" if record.prompt is not None else "text")
+    return {
+        "ids": np.array(ids, dtype=np.int64),
+        "is_target": np.array(is_target, dtype=bool),
+        "lengths": np.array(lengths, dtype=np.int64),
+        "target_bytes": np.array(nbytes, dtype=np.int64),
+        "first_target": np.array(first, dtype=np.int64),
+        "kinds": kinds,
+        "first": reading.first,
+    }
+
+
+TOKENIZING: tuple[Reading, PreTrainedTokenizerBase] | None = None  # a tokenizing process's (start_tokenizing)
+
+
+def start_tokenizing(cfg: RunConfig, folder: Path, reading: Reading) -> None:
+    """In each process of the pool: Ctrl-C is the parent's to act on, between chunks."""
+    global TOKENIZING
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    TOKENIZING = (reading, load_tokenizer(cfg, folder))
+
+
+def tokenize_in_pool(items: list) -> dict:
+    return tokenize_chunk(*TOKENIZING, items)
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def tokenized_chunks(cfg: RunConfig, folder: Path, tokenizer: PreTrainedTokenizerBase, workers: int) -> Iterator[dict]:
+    """Each chunk of records as arrays, in order. The first is tokenized here; the rest by a pool
+    of `workers` processes (one per core: the other ranks on this machine only wait meanwhile), a
+    few chunks ahead of the writer, so the source is never held whole in memory."""
+    reading, chunks = record_source(cfg)
+    first = next(chunks, None)
+    if first is None:
+        return
+    part = tokenize_chunk(reading, tokenizer, first)
+    yield part
+    second = next(chunks, None)
+    if second is None:
+        return
+    if workers == 1:
+        yield from (tokenize_chunk(reading, tokenizer, chunk) for chunk in itertools.chain([second], chunks))
+        return
+    reading.first = part["first"]  # what the format of every later record must be
+    # spawn, not fork: this process already runs Gloo's threads, and a forked child inherits their locks.
+    context = multiprocessing.get_context("spawn")
+    pool = ProcessPoolExecutor(workers, context, initializer=start_tokenizing, initargs=(cfg, folder, reading))
+    pending: collections.deque = collections.deque()
+    try:
+        for chunk in itertools.chain([second], chunks):
+            pending.append(pool.submit(tokenize_in_pool, chunk))
+            while len(pending) > 2 * workers or (pending and pending[0].done()):
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def stop_if_asked() -> None:
+    if STOP.signal is not None:
+        name = signal.Signals(STOP.signal).name
+        raise TrainingError(f"stopped by {name} while building the token cache, before training: nothing was written")
+
+
+def build_token_corpus(cfg: RunConfig, sink: ArraySink, folder: Path, workers: int) -> dict:
+    """Tokenize every record once, into the sink's flat arrays (Tokens), with `workers` processes."""
+    tokenizer = load_tokenizer(cfg, folder)
+    dtype = np.uint16 if len(tokenizer) <= 1 << 16 else np.uint32
+    sink.append("offsets", np.zeros(1, dtype=np.int64))
+    end, kinds, first = 0, set(), None
+    for part in tokenized_chunks(cfg, folder, tokenizer, workers):
+        stop_if_asked()
+        if len(part["ids"]) and part["ids"].max() > np.iinfo(dtype).max:
+            raise TrainingError(f"token id {part['ids'].max()} is beyond the tokenizer's {len(tokenizer)}")
+        sink.append("ids", part["ids"].astype(dtype))
+        sink.append("is_target", part["is_target"])
+        sink.append("offsets", end + np.cumsum(part["lengths"]))
+        end += int(part["lengths"].sum())
+        for name in ("target_bytes", "first_target"):
+            sink.append(name, part[name])
+        kinds |= part["kinds"]
+        first = first or part["first"]
+    records = sink.length("offsets") - 1
+    if not records:
+        raise UsageError(f"{cfg.dataset or cfg.corpus_file} has no records")
+    fmt = first[0] if first else "text"
+    return {
+        "records": records,
+        "tokens": end,
+        "fmt": fmt,
+        "chat": "chat" in kinds,
+        "completions": "completions" in kinds,
+    }
+
+
+def build_byte_corpus(cfg: RunConfig, sink: ArraySink) -> dict:
+    """The byte model's corpus (Lines): a text file cleaned in numpy, or a .jsonl file's text records."""
+    path = cfg.corpus_file
+    if is_jsonl(path):
+        blocks = jsonl_texts(path, cfg.data_format)
+    else:
+        if cfg.data_format not in ("auto", "text"):
+            raise UsageError(f"--data-format {cfg.data_format} needs a .jsonl file; {path} is read as text lines")
+        blocks = (clean_lines(block) for _, block in file_blocks(path))
+    sink.append("stream", np.array([NEWLINE], dtype=np.uint8))
+    sink.append("edges", np.zeros(1, dtype=np.int64))
+    end = 0
+    for kept, lengths in blocks:
+        stop_if_asked()
+        sink.append("stream", kept)
+        sink.append("edges", end + np.cumsum(lengths + 1))
+        end += len(kept)
+    lines = sink.length("edges") - 1
+    if not lines:
+        raise UsageError(f"corpus file has no non-blank lines: {path}")
+    return {"records": lines, "tokens": end + 1, "fmt": "text"}
+
+
+def jsonl_texts(path: Path, data_format: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """A .jsonl file's text records as clean_lines gives a text file's lines (each kept as it is)."""
+    reading = Reading("jsonl", str(path), data_format)
+    for chunk in in_chunks(json_lines(path)):
+        encoded = [reading.record(item).text for item in chunk]
+        if reading.first[0] != "text":
+            raise UsageError(
+                f"{path} holds {reading.first[0]} records; the tiny byte model trains on text: use --model hf"
+            )
+        encoded = [text.encode("utf-8") for text in encoded]
+        yield np.frombuffer(b"".join(b + b"\n" for b in encoded), dtype=np.uint8), np.array([len(b) for b in encoded])
+
+
+class ArraySink:
+    """Named arrays appended chunk by chunk: into NAME.bin files of a folder (a token cache being
+    built), each with its length and CRC-32, or kept in memory (folder None: --cache-dir none)."""
+
+    def __init__(self, folder: Path | None) -> None:
+        self.folder, self.facts, self.parts, self.files = folder, {}, {}, {}
+
+    def append(self, name: str, values: np.ndarray) -> None:
+        values = np.ascontiguousarray(values)
+        fact = self.facts.setdefault(name, {"dtype": values.dtype.str, "length": 0, "crc32": 0})
+        fact["length"] += len(values)
+        if self.folder is None:
+            self.parts.setdefault(name, []).append(values)
+            return
+        if name not in self.files:
+            self.files[name] = open(self.folder / f"{name}.bin", "wb")  # noqa: SIM115 (closed by close())
+        data = memoryview(values).cast("B")
+        fact["crc32"] = zlib.crc32(data, fact["crc32"])
+        self.files[name].write(data)
+
+    def length(self, name: str) -> int:
+        return self.facts[name]["length"]
+
+    def close(self) -> None:
+        """Every file on disk, not only in the page cache, before the folder is renamed into place."""
+        for f in self.files.values():
+            if not f.closed:
+                f.flush()
+                os.fsync(f.fileno())
+                f.close()
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {name: np.concatenate(parts) for name, parts in self.parts.items()}
+
+
+def file_crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def cache_problem(folder: Path, key: str) -> str | None:
+    """Why the cache in `folder` cannot be used ("" when there is none), or None when it passes its
+    check: its meta.json names this key and format, and every array file has the length and the
+    CRC-32 it had when written (read whole: 0.2 s a GB here). A truncated or damaged cache is
+    rebuilt, never trained on."""
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+    except FileNotFoundError:
+        return ""
+    except (OSError, ValueError) as e:
+        return f"its meta.json cannot be read ({describe_error(e)})"
+    if not isinstance(meta, dict) or meta.get("key") != key or meta.get("format") != CACHE_FORMAT:
+        return "its meta.json is not this cache's"
+    for name, fact in meta.get("arrays", {}).items():
+        path = folder / f"{name}.bin"
+        want = fact["length"] * np.dtype(fact["dtype"]).itemsize
+        have = path.stat().st_size if path.is_file() else None
+        if have != want:
+            return f"{name}.bin holds {have} bytes where {want} were written"
+        if file_crc32(path) != fact["crc32"]:
+            return f"{name}.bin fails its CRC-32 check"
+    return None
+
+
+def map_cache(folder: Path) -> tuple[dict[str, np.ndarray], dict]:
+    """The cache's arrays, memory-mapped read-only (pages are read when a batch touches them), and its meta."""
+    meta = json.loads((folder / "meta.json").read_text())
+    arrays = {}
+    for name, fact in meta["arrays"].items():
+        dtype, n = np.dtype(fact["dtype"]), fact["length"]
+        arrays[name] = np.memmap(folder / f"{name}.bin", dtype=dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
+    return arrays, meta
+
+
+def build_cache(cfg: RunConfig, folder: Path, key: str, build: Callable[[ArraySink], dict]) -> None:
+    """Build into a folder of this process's own beside `folder`, then rename it into place: a crash,
+    Ctrl-C or a full disk mid-build leaves no cache a later run would load. If another run renamed
+    the same cache into place first, its cache is as good as this one: it stays."""
+    tmp = folder.with_name(f".{folder.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    sink = ArraySink(tmp)
+    try:
+        tmp.mkdir(parents=True)
+        meta = build(sink)
+        sink.close()
+        meta |= {"key": key, "format": CACHE_FORMAT, "arrays": sink.facts}
+        atomic_write(tmp / "meta.json", json.dumps(meta, indent=1).encode())
+        try:
+            os.rename(tmp, folder)
+        except OSError as e:
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+            if cache_problem(folder, key) is not None:  # a damaged one: swap it out
+                aside = folder.with_name(f".{folder.name}.damaged-{os.getpid()}")
+                os.rename(folder, aside)
+                os.rename(tmp, folder)
+                shutil.rmtree(aside, ignore_errors=True)
+    except OSError as e:
+        raise UsageError(
+            f"cannot write the token cache in {cfg.cache_dir}: {e.strerror or e} "
+            "(free some space, point --cache-dir at another folder, or pass --cache-dir none)"
+        ) from None
+    finally:
+        sink.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def files_digest(paths: list[Path], root: Path) -> str:
+    return sha256("".join(f"{p.relative_to(root)}:{file_digest(p)}\n" for p in sorted(paths)).encode())
+
+
+def tokenizer_files(folder: Path) -> list[Path]:
+    """The model folder's files but its weights and model config: the tokenizer's, whatever they are
+    called (tokenizer.json, vocab + merges, tokenizer.model, the chat template, remote code)."""
+    skip = ("config.json", "generation_config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+    return [p for p in folder.iterdir() if p.is_file() and p.suffix not in WEIGHT_FILES and p.name not in skip]
+
+
+def corpus_key(cfg: RunConfig, folder: Path | None) -> str:
+    """A digest of everything that decides the tokens, and nothing else: the data's bytes (its
+    content, hashed whole at 1.7 GB/s here, rather than its size and mtime, so that a copy or a
+    touched file reuses the cache and an edit that keeps both does not), the data format, and for
+    a pretrained model the tokenizer's files (the chat template with them), --train-on-prompt and
+    the versions of the libraries that tokenize. --lr, --batch-size, --seed, --seq-len, --pack,
+    --val-fraction and the rest shape the examples made from the tokens, not the tokens."""
+    facts = {"cache_format": CACHE_FORMAT, "data": data_digest(cfg), "data_format": cfg.data_format}
+    if folder is not None:
+        import tokenizers
+        import transformers
+
+        facts |= {
+            "tokenizer": files_digest(tokenizer_files(folder), folder),
+            "train_on_prompt": cfg.train_on_prompt,
+            "versions": [transformers.__version__, tokenizers.__version__],
+        }
+    return sha256(json.dumps(facts, sort_keys=True).encode())
+
+
+def data_digest(cfg: RunConfig) -> str:
+    if not cfg.dataset:
+        check_readable(cfg.corpus_file)
+        return file_digest(cfg.corpus_file)
+    local = Path(cfg.dataset).expanduser()
+    where = [cfg.dataset_config, cfg.dataset_split]
+    if local.is_file():
+        return sha256(json.dumps([file_digest(local), *where]).encode())
+    if local.is_dir():
+        return sha256(json.dumps([files_digest([p for p in local.rglob("*") if p.is_file()], local), *where]).encode())
+    return sha256(json.dumps([cfg.dataset, load_dataset_split(cfg)._fingerprint, *where]).encode())
+
+
+DATASET_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
+
+
+def load_dataset_split(cfg: RunConfig) -> object:
+    """--dataset: a Hub name, a local parquet/JSONL/CSV file, or a folder save_to_disk wrote, read
+    with Hugging Face datasets (Arrow, memory-mapped): --dataset-split of it."""
+    try:
+        import datasets
+    except ImportError:
+        raise UsageError(
+            "--dataset reads with Hugging Face datasets, not installed here: pip install datasets"
+        ) from None
+    datasets.disable_progress_bars()
+    local, split = Path(cfg.dataset).expanduser(), cfg.dataset_split
+    try:
+        if local.is_dir() and any((local / n).exists() for n in ("state.json", "dataset_dict.json")):
+            data = datasets.load_from_disk(str(local))
+            if isinstance(data, datasets.DatasetDict):
+                if split not in data:
+                    raise UsageError(f"--dataset {cfg.dataset} has no split '{split}' (it has {', '.join(data)})")
+                data = data[split]
+            return data
+        if local.is_file():
+            if local.suffix.lower() not in DATASET_BUILDERS:
+                raise UsageError(f"--dataset {cfg.dataset}: a {local.suffix or 'suffix-less'} file; "
+                                 f"expected one of {', '.join(DATASET_BUILDERS)}")  # fmt: skip
+            return datasets.load_dataset(DATASET_BUILDERS[local.suffix.lower()], data_files=str(local), split=split)
+        return datasets.load_dataset(cfg.dataset, cfg.dataset_config, split=split)
+    except UsageError:
+        raise
+    except Exception as e:  # datasets' own: not found offline, unknown split or config, unreadable file
+        raise UsageError(f"cannot load --dataset {cfg.dataset} (split '{split}'): {first_line(e)}") from None
+
+
+def dataset_rows(cfg: RunConfig) -> Iterator[list[tuple[int, dict]]]:
+    data, at = load_dataset_split(cfg), 0
+    for batch in data.iter(batch_size=CHUNK_RECORDS):
+        rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
+        yield list(enumerate(rows, at))
+        at += len(rows)
+
+
+def open_corpus(cfg: RunConfig, d: Dist, folder: Path | None) -> Lines | Tokens:
+    """The training data as the model's tokens: memory-mapped from the token cache, built first if
+    no earlier run built it (folder: the pretrained model's, None for the byte model).
+
+    Rank 0 builds first, with every core of its machine, while the others wait with no deadline
+    (section 9's meetings: a large build takes longer than --timeout-s). Then the first rank of
+    each other machine builds its own if it cannot see rank 0's (a node-local --cache-dir), as
+    TRL's global_then_local_main_first does; then every other rank maps what is there. A failure
+    anywhere stops every rank with its one line."""
+    if cfg.cache_dir is None:  # every rank its own, all at once, each in one process: they share the cores
+        return load_or_build_corpus(cfg, d, folder, workers=1 if d.distributed else usable_cores())
+    corpus, problem, mine = None, "", None
+    for turn, whose in (("global", d.is_main), ("local", d.local_rank == 0 and not d.is_main), ("rest", d.local_rank)):
+        if whose and not problem:
+            try:
+                corpus = load_or_build_corpus(cfg, d, folder, usable_cores())
+            except Exception as e:
+                mine, problem = e, str(e) if isinstance(e, UsageError | TrainingError) else describe_error(e)
+        if d.distributed:
+            problem = meet_without_deadline(d, f"corpus_{turn}", problem)
+    if mine is not None:
+        raise mine
+    if problem:
+        raise UsageError(problem)
+    return corpus
+
+
+def load_or_build_corpus(cfg: RunConfig, d: Dist, folder: Path | None, workers: int) -> Lines | Tokens:
+    """This process's view of the corpus: the cache mapped if it passes its check, else built first."""
+    started = time.perf_counter()
+    key = corpus_key(cfg, folder)
+
+    def build(sink: ArraySink) -> dict:
+        facts = build_token_corpus(cfg, sink, folder, workers) if folder else build_byte_corpus(cfg, sink)
+        return facts | {"source": str(cfg.dataset or cfg.corpus_file), "workers": workers if folder else 1}
+
+    if cfg.cache_dir is None:
+        sink = ArraySink(None)
+        meta, arrays = build(sink), sink.arrays()
+        took = time.perf_counter() - started
+        log(d, f"[cache] none (--cache-dir none): {meta['records']:,} records tokenized in memory in {took:.1f} s")
+        return corpus_from(arrays, meta, key)
+    place = cfg.cache_dir / f"{'tokens' if folder else 'bytes'}-{key[:24]}"
+    problem = cache_problem(place, key)
+    if problem is not None:
+        if problem:
+            say(f"[cache] {place} {problem}: building it again")
+        build_cache(cfg, place, key, build)
+    arrays, meta = map_cache(place)
+    what = f"{meta['records']:,} {describe_records(meta['fmt'])}, {meta['tokens']:,} tokens"
+    if problem is not None:
+        processes = meta["workers"] if meta["records"] > CHUNK_RECORDS else 1
+        say(f"[cache] built {place}: {what} in {time.perf_counter() - started:.1f} s ({processes} process(es))")
+    else:
+        log(d, f"[cache] reused {place}: {what}, tokenized by an earlier run")
+    return corpus_from(arrays, meta, key)
+
+
+def corpus_from(arrays: dict[str, np.ndarray], meta: dict, key: str) -> Lines | Tokens:
+    if "stream" in arrays:
+        return Lines(arrays["stream"], arrays["edges"], key)
+    return Tokens(
+        arrays["ids"], arrays["offsets"], arrays["is_target"], arrays["target_bytes"], arrays["first_target"],
+        key, meta["chat"], meta["completions"], fmt=meta["fmt"],
+    )  # fmt: skip
+
+
 # ----------------------------------------------------------------------------------------------
 # 11. Pretrained models: Qwen2.5, Llama, Gemma, Mistral, Phi-3, ... with LoRA; the tiny model's size check
 # ----------------------------------------------------------------------------------------------
@@ -2718,14 +3525,18 @@ def check_model_fits(n_params: int, d: Dist) -> None:
         )
 
 
-def build_pretrained_kit(cfg: RunConfig, d: Dist, records: list[Record], val_records: list[Record]) -> ModelKit:
+def build_pretrained_kit(
+    cfg: RunConfig, d: Dist, records: list[Record] | Tokens, val_records: list[Record] | Tokens
+) -> ModelKit:
     """A pretrained causal LM (Qwen2.5 by default) with LoRA adapters, of which only the adapters
-    train; or, with --finetune full, the model itself, every weight trained."""
+    train; or, with --finetune full, the model itself, every weight trained. The records come
+    from the token cache (open_corpus), or as Record objects, tokenized here."""
     dtype = choose_weights_dtype(cfg, d)
     tokenizer, model = load_pretrained(cfg, d, dtype)
     if tokenizer.pad_token is None:
         # Any id works for padding: padded positions are masked out of the loss by position.
         tokenizer.pad_token = tokenizer.eos_token
+    records, val_records = (as_tokens(r, tokenizer, cfg.train_on_prompt) for r in (records, val_records))
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing: the reentrant kind re-runs forward inside backward, which
         # fires DDP's gradient hooks twice ("marked ready twice"), and it only backpropagates
@@ -2754,8 +3565,7 @@ def build_pretrained_kit(cfg: RunConfig, d: Dist, records: list[Record], val_rec
             tokenizer.save_pretrained(tmp)
         return path
 
-    chat = any(r.messages for r in records)
-    completions = any(r.prompt is not None for r in records)
+    chat, completions = records.chat, records.completions
 
     @torch.no_grad()
     def sample(raw: nn.Module, prompt: str) -> str:
@@ -2781,7 +3591,7 @@ def build_pretrained_kit(cfg: RunConfig, d: Dist, records: list[Record], val_rec
 
     end_of_turn = turn_closing_token(tokenizer) if chat else None
     train, counts = encode_records_with_tokenizer(records, tokenizer, cfg.seq_len, cfg.train_on_prompt, cfg.pack)
-    val = encode_held_out(val_records, tokenizer, cfg) if val_records else None
+    val = encode_held_out(val_records, tokenizer, cfg) if len(val_records) else None
 
     return ModelKit(
         model=model,
@@ -2952,6 +3762,7 @@ def resolve_model_files(cfg: RunConfig, d: Dist) -> Path:
     return path
 
 
+@functools.cache  # the token cache's key and the model's loading both ask: one fetch
 def fetch_model_files(cfg: RunConfig) -> Path:
     source = cfg.model_name_or_path
     if Path(source).expanduser().is_dir():
@@ -5037,22 +5848,19 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
     if d.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = cfg.tf32  # fp32 matmuls on tensor cores: ~10 bits of mantissa
     warn_if_bf16_is_emulated(cfg, d)
-    records, fmt = read_records(cfg.corpus_file, cfg.data_format)
-    if cfg.model == "tiny" and fmt != "text":
-        raise UsageError(f"{cfg.corpus_file} holds {fmt} records; the tiny byte model trains on text: use --model hf")
     if cfg.show_examples:
-        show_examples(cfg, d, records[: cfg.show_examples])
+        show_examples(cfg, d, first_records(cfg, cfg.show_examples))
         return
-    train_records, val_records = split_lines(records, cfg.val_fraction, cfg.seed)
-    if cfg.model == "hf":
-        kit = build_pretrained_kit(cfg, d, train_records, val_records)
-    else:
-        kit = build_tiny_kit(cfg, d, [r.text for r in train_records], [r.text for r in val_records])
+    # The corpus as tokens, built into the token cache once and memory-mapped (section 10).
+    corpus = open_corpus(cfg, d, resolve_model_files(cfg, d) if cfg.model == "hf" else None)
+    train_records, val_records = split_indices(len(corpus), cfg.val_fraction, cfg.seed)
+    build_kit = build_pretrained_kit if cfg.model == "hf" else build_tiny_kit
+    kit = build_kit(cfg, d, corpus.subset(train_records), corpus.subset(val_records))
     seed_dropout_per_rank(cfg, d)
     log(
         d,
-        f"[data] {cfg.corpus_file}: {len(train_records)} training {describe_records(fmt)} -> {len(kit.train)} "
-        f"examples of {cfg.seq_len} tokens{'; ' + kit.data_report if kit.data_report else ''}; "
+        f"[data] {cfg.dataset or cfg.corpus_file}: {len(train_records)} training {describe_records(corpus.fmt)} -> "
+        f"{len(kit.train)} examples of {cfg.seq_len} tokens{'; ' + kit.data_report if kit.data_report else ''}; "
         f"{len(val_records)} held out for validation",
     )
     log(d, f"[model] {kit.describe}")

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +40,12 @@ class Run:
         return [float(x) for x in re.findall(r"^step\s+\d+/\d+ \| loss ([0-9.]+)", self.stdout, re.M)]
 
 
+# The launched runs keep their token caches (the script's --cache-dir default) here, not in the
+# user's ~/.cache: a test session starts with none, and leaves none behind.
+CACHE_HOME = tempfile.mkdtemp(prefix="llm-ddp-test-cache-")
+atexit.register(shutil.rmtree, CACHE_HOME, ignore_errors=True)
+
+
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {
         k: v
@@ -44,7 +53,12 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
         if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
     }
     env.update(
-        PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"
+        PYTHONPATH=str(REPO),
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        XDG_CACHE_HOME=CACHE_HOME,
     )
     env.update(extra or {})
     return env
