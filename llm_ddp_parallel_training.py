@@ -3018,7 +3018,7 @@ def first_records(cfg: RunConfig, n: int) -> list[Record]:
     """The first n records of the corpus file or --dataset, for --show-examples."""
     if cfg.dataset:
         reading = Reading("rows", f"--dataset {cfg.dataset}", cfg.data_format)
-        return [reading.record(item) for item in itertools.islice(itertools.chain(*dataset_rows(cfg)), n)]
+        return [reading.record(item) for item in itertools.islice(itertools.chain.from_iterable(dataset_rows(cfg)), n)]
     records, fmt = read_records(cfg.corpus_file, cfg.data_format, n)
     if cfg.model == "tiny" and fmt != "text":
         raise UsageError(f"{cfg.corpus_file} holds {fmt} records; the tiny byte model trains on text: use --model hf")

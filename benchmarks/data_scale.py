@@ -38,12 +38,13 @@ conversations per rank per step, 2 steps, no packing, --seq-len / max_length 128
 
 First start: the case's cache folder empty (ours: --cache-dir; TRL: HF_DATASETS_CACHE). Second
 start: the same command again, into a new --output-dir / output_dir (the script keeps one run per
-folder), the cache as the first start left it. If the script's --help does not list --cache-dir
-(an older script), it is left out and the report says so. The data file was just written, so it is
-in the OS's page cache for both starts, and one untimed import of what either side uses (torch,
-transformers' Trainer and Qwen2, peft, datasets, TRL's SFTTrainer) first puts the libraries there
-too: "first start" means cold caches of the tools, not a cold disk. Each case has a cache folder of its own, so TRL's first start at seq 2,048 does not
-reuse what it cached at seq 128.
+folder), the cache as the first start left it. Each case has a cache folder of its own, so no
+first start reuses what another case cached (TRL's at seq 2,048 not what it cached at seq 128; the
+script's default cache under ~/.cache is never used). If the script's --help does not list
+--cache-dir (an older script), it is left out and the report says so. The data file was just
+written, so it is in the OS's page cache for both starts, and one untimed import of what either
+side uses (torch, transformers' Trainer and Qwen2, peft, datasets, TRL's SFTTrainer) first puts
+the libraries there too: "first start" means cold caches of the tools, not a cold disk.
 
 Measured per run:
 - wall: seconds from just before the launch (subprocess.Popen) to the launcher's exit, as a user
@@ -55,6 +56,11 @@ Measured per run:
   launchers start them so); the reported figure is the largest rank's. The launcher's own peak and
   the ranks' own reports (the script's summary; ru_maxrss in the TRL worker: they agree with VmHWM
   to a few MiB) are kept in results.json as checks. For the byte path the one process is the rank.
+  Any other process in the tree (a rank's own children, such as a pool that tokenizes) is not a
+  rank: the largest of their peaks is a column of its own. Each poll also reads RssAnon, the
+  anonymous part of the resident set (what is not file pages, such as those of a memory-mapped
+  cache, which the kernel can drop and every rank shares): its largest sample in any rank is shown
+  beside the peak, "(N anon)", a lower bound of its own peak.
   (Not wait4's ru_maxrss of the launched process: Linux carries a process's maxrss across fork and
   exec, so it would count this benchmark's own memory, which holds torch and transformers, as
   the child's.)
@@ -86,6 +92,7 @@ import os
 import random
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -312,7 +319,7 @@ class Child:
             os.killpg(self.proc.pid, sig)
 
 
-def stop_children(grace: float = 30) -> None:
+def stop_children(grace: float = 10) -> None:
     """End every child still running, ranks included: SIGTERM to its process group first (the
     launchers pass it on and the ranks stop), SIGKILL for any still there after `grace` seconds."""
     alive = [child for child in CHILDREN if not child.done.is_set()]
@@ -325,17 +332,18 @@ def stop_children(grace: float = 30) -> None:
             child.done.wait(10)
 
 
-def high_water_mark(pid: int) -> int | None:
-    """VmHWM of /proc/PID/status in bytes: the process's peak resident set so far (None once it
-    has exited: a zombie has no memory left to report)."""
+def memory_now(pid: int) -> tuple[int, int] | None:
+    """(VmHWM, RssAnon) of /proc/PID/status in bytes: the process's peak resident set so far, and
+    the anonymous part of its resident set now (None once it has exited: a zombie has no memory)."""
+    fields = {}
     try:
         with open(f"/proc/{pid}/status", "rb") as f:
             for line in f:
-                if line.startswith(b"VmHWM:"):
-                    return int(line.split()[1]) * 1024
+                if line.startswith((b"VmHWM:", b"RssAnon:")):
+                    fields[line.split(b":")[0]] = int(line.split()[1]) * 1024
     except (OSError, ValueError):
-        pass
-    return None
+        return None
+    return (fields[b"VmHWM"], fields.get(b"RssAnon", 0)) if b"VmHWM" in fields else None
 
 
 def role(proc: object, root_pid: int) -> str | None:
@@ -360,6 +368,7 @@ def watch(cmd: list[str], env: dict[str, str], log: Path, timeout: float, single
     child = Child(cmd, env, log)
     root = psutil.Process(child.proc.pid)
     peaks: dict[int, int] = {}
+    anon: dict[int, int] = {}  # the largest RssAnon seen: sampled, so a lower bound of its peak
     roles: dict[int, str] = {child.proc.pid: "rank 0" if single else "launcher"}
     timed_out = False
     while not child.done.wait(POLL_S):
@@ -374,8 +383,9 @@ def watch(cmd: list[str], env: dict[str, str], log: Path, timeout: float, single
             for proc in [root, *root.children(recursive=True)]:
                 if proc.pid not in roles and (name := role(proc, root.pid)):
                     roles[proc.pid] = name
-                if (hwm := high_water_mark(proc.pid)) is not None:
-                    peaks[proc.pid] = max(peaks.get(proc.pid, 0), hwm)
+                if (now := memory_now(proc.pid)) is not None:
+                    peaks[proc.pid] = max(peaks.get(proc.pid, 0), now[0])
+                    anon[proc.pid] = max(anon.get(proc.pid, 0), now[1])
     ranks = {roles[pid]: peak for pid, peak in peaks.items() if roles.get(pid, "").startswith("rank")}
     others = [peak for pid, peak in peaks.items() if pid not in roles]
     return {
@@ -384,6 +394,9 @@ def watch(cmd: list[str], env: dict[str, str], log: Path, timeout: float, single
         "timed_out": timed_out,
         "rank_peaks_mib": {k: v / MIB for k, v in sorted(ranks.items())},
         "peak_rank_mib": max(ranks.values()) / MIB if ranks else None,
+        # Of the resident set, the anonymous memory (not file pages, such as a memory-mapped cache's),
+        # the largest sampled in any rank.
+        "anon_rank_mib": max((anon[pid] for pid in peaks if roles.get(pid, "").startswith("rank")), default=0) / MIB,
         "launcher_peak_mib": None if single else peaks.get(child.proc.pid, 0) / MIB,
         "other_processes_peak_mib": max(others) / MIB if others else None,
     }
@@ -500,7 +513,8 @@ def ok(row: dict | None) -> bool:
 
 def table(rows: list[dict]) -> list[str]:
     lines = ["| workload | data | seq | tool | start | wall | peak RSS per rank | wall vs TRL | RSS vs TRL "
-             "| cache after | status |", "|---|--:|--:|---|---|--:|--:|--:|--:|--:|---|"]  # fmt: skip
+             "| helpers' peak | cache after | status |",
+             "|---|--:|--:|---|---|--:|--:|--:|--:|--:|--:|---|"]  # fmt: skip
     for r in rows:
         trl = None
         if r["tool"] == "ours" and r["kind"] == "chat":
@@ -509,12 +523,13 @@ def table(rows: list[dict]) -> list[str]:
         both = ok(r) and ok(trl)
         workload = "chat, 2 ranks" if r["kind"] == "chat" else "bytes, 1 process"
         data = f"{r['size']:,} conv." if r["kind"] == "chat" else mb(r["size"])
-        peak = f"{r['peak_rank_mib']:,.0f} MiB" if r["peak_rank_mib"] else "-"
+        peak = f"{r['peak_rank_mib']:,.0f} MiB ({r['anon_rank_mib']:,.0f} anon)" if r["peak_rank_mib"] else "-"
         wall_ratio = f"{r['wall_s'] / trl['wall_s']:.2f}x" if both else "-"
         rss_ratio = f"{r['peak_rank_mib'] / trl['peak_rank_mib']:.2f}x" if both else "-"
+        helpers = f"{r['other_processes_peak_mib']:,.0f} MiB" if r["other_processes_peak_mib"] else "-"
         lines.append(
             f"| {workload} | {data} | {r['seq_len'] or '-'} | {r['tool']} | {r['start']} | {r['wall_s']:.1f} s "
-            f"| {peak} | {wall_ratio} | {rss_ratio} | {r['cache_files']} files, {mb(r['cache_bytes'])} "
+            f"| {peak} | {wall_ratio} | {rss_ratio} | {helpers} | {r['cache_files']} files, {mb(r['cache_bytes'])} "
             f"| {r['status']} |"
         )
     return lines
@@ -633,9 +648,12 @@ def report(rows: list[dict], found: list[dict], context: dict) -> str:
         lines += ["The script's --help has no --cache-dir: its runs went without one (a second start then "
                   "finds no cache of its own to reuse).", ""]  # fmt: skip
     lines += [
-        "*wall*: launch to exit. *peak RSS per rank*: the largest rank's VmHWM. *cache after*: the case's cache "
-        "folder after the run (ours: --cache-dir; TRL: HF_DATASETS_CACHE). *vs TRL*: against TRL's run of the "
-        "same data, seq len and start.",
+        "*wall*: launch to exit. *peak RSS per rank*: the largest rank's VmHWM; in brackets the largest "
+        "RssAnon sampled in a rank (the anonymous memory, not file pages such as a memory-mapped cache's). "
+        "*vs TRL*: against TRL's run of the same data, seq len and start. *helpers' peak*: the largest peak of "
+        "any other process in the tree (the ranks' own children, such as a pool that tokenizes), not counted "
+        "as a rank. *cache after*: the case's cache folder after the run (ours: --cache-dir; TRL: "
+        "HF_DATASETS_CACHE).",
         "",
         *table(rows),
         "",
@@ -693,6 +711,7 @@ def measure(out: Path, args: argparse.Namespace) -> None:
         (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
 
     def both_starts(case: Case, model: Path | None) -> None:
+        shutil.rmtree(case.folder, ignore_errors=True)  # a cold first start, also in an --out used before
         for start in ("first", "second"):
             rows.append(run_case(case, start, model, has_cache_dir, args))
             save()

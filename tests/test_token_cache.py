@@ -1,0 +1,510 @@
+"""The token cache: a corpus is tokenized once, memory-mapped by every rank, and trains exactly as
+the examples the script built in memory before it had one; what decides the tokens is its key."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import REPO, SCRIPT, TINY, assert_ok, child_env, free_port, launch, run_cmd, torchrun_cmd
+from test_bad_input import assert_one_clear_error
+
+import llm_ddp_parallel_training as t
+
+# ----- the examples as the script built them before the token cache (commit 7d6693c), the reference -----
+
+
+def reference_byte_examples(lines: list[str], seq_len: int, pack: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    spans = [t.packed_stream(lines)] if pack else [b"\n" + line.encode("utf-8") + b"\n" for line in lines]
+    windows = [span[start : start + seq_len + 1] for span in spans for start in range(0, len(span) - 1, seq_len)]
+    inputs = torch.zeros(len(windows), seq_len, dtype=torch.long)
+    targets = torch.full((len(windows), seq_len), t.IGNORE_INDEX, dtype=torch.long)
+    for i, w in enumerate(windows):
+        ids = torch.frombuffer(bytearray(w), dtype=torch.uint8).long()
+        inputs[i, : len(ids) - 1] = ids[:-1]
+        targets[i, : len(ids) - 1] = ids[1:]
+    return inputs, targets
+
+
+def reference_shifting_window(lines: list[str], seq_len: int, seed: int, epoch: int, i: int) -> torch.Tensor:
+    stream = torch.frombuffer(bytearray(t.packed_stream(lines)), dtype=torch.uint8)
+    offset = int(torch.randint(seq_len, (), generator=torch.Generator().manual_seed(seed + epoch)))
+    return stream[offset + i * seq_len : offset + i * seq_len + seq_len + 1].long()
+
+
+def reference_token_rows(records, tokenizer, seq_len: int, train_on_prompt: bool, pack: bool) -> list[tuple]:
+    """(inputs, targets, positions, target bytes) of each row, as encode_records_with_tokenizer made them."""
+    masking = t.chat_masking(tokenizer) if any(r.messages for r in records) else None
+    kept = []
+    for sample in records:
+        seq = t.tokenize_record(sample, tokenizer, train_on_prompt, masking)
+        seq = t.TokenSequence(seq.ids[: seq_len + 1], seq.is_target[: seq_len + 1])
+        if any(seq.is_target[1:]):
+            kept.append(seq)
+    rows, free = [], 0
+    for seq in kept if pack else []:
+        if len(seq.ids) - 1 > free:
+            rows.append([])
+            free = seq_len
+        rows[-1].append(seq)
+        free -= len(seq.ids) - 1
+    out = []
+    for row in rows if pack else [[seq] for seq in kept]:
+        inputs = torch.full((seq_len,), tokenizer.pad_token_id or 0, dtype=torch.long)
+        targets = torch.full((seq_len,), t.IGNORE_INDEX, dtype=torch.long)
+        positions = torch.zeros(seq_len, dtype=torch.long)
+        nbytes, at = 0, 0
+        for seq in row:
+            ids, n = torch.tensor(seq.ids), len(seq.ids) - 1
+            inputs[at : at + n] = ids[:-1]
+            targets[at : at + n] = torch.where(torch.tensor(seq.is_target[1:]), ids[1:], t.IGNORE_INDEX)
+            positions[at : at + n] = torch.arange(n)
+            nbytes += t.count_target_bytes(seq, tokenizer)
+            at += n
+        positions[at:] = torch.arange(seq_len - at)
+        out.append((inputs, targets, positions, nbytes))
+    return out
+
+
+# ----- helpers -----
+
+
+def cfg_for(*args: str) -> t.RunConfig:
+    return t.parse_args(["--cpu", *args])
+
+
+def built_in_memory(cfg: t.RunConfig, folder: Path | None = None) -> t.Lines | t.Tokens:
+    return t.open_corpus(cfg, t.setup_distributed(cfg), folder)
+
+
+def caches(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir()) if root.exists() else []
+
+
+def cache_line(run) -> str:
+    return next(line for line in run.stdout.splitlines() if line.startswith("[cache]"))
+
+
+def same_weights(a: Path, b: Path) -> bool:
+    x, y = torch.load(a, weights_only=False)["model"], torch.load(b, weights_only=False)["model"]
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def adapter(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(folder / "qwen_lora" / "adapter_model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_qwen):
+    return t.load_tokenizer(t.parse_args(["--model", "hf"]), tiny_qwen)
+
+
+@pytest.fixture(scope="module")
+def conversations(corpus_lines) -> list[dict]:
+    """Varied conversations: a system message in some, two exchanges in others."""
+    out = []
+    for i, line in enumerate(corpus_lines * 8):
+        words = line.split()
+        turns = [{"role": "system", "content": "Answer briefly."}] if i % 5 == 0 else []
+        for k in range(1 + (i % 3 == 0)):
+            turns += [
+                {"role": "user", "content": " ".join(words[: 3 + k])},
+                {"role": "assistant", "content": " ".join(words[3 + k :]) or "yes"},
+            ]
+        out.append({"messages": turns})
+    return out  # 8 x 375 = 3,000: more than one chunk (CHUNK_RECORDS), so a build starts its pool
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def hf(tiny_qwen: Path, *args: str) -> list[str]:
+    return ["--cpu", "--model", "hf", "--model-name-or-path", str(tiny_qwen), "--batch-size", "4", *args]
+
+
+# ----- 4. the byte path: the file's bytes are the tokens, cleaned in numpy, examples as before -----
+
+TRICKY = (
+    "\ufeffFirst line\r\n"  # a byte-order mark, a Windows line end
+    "\t  indented and trailing  \t\n"
+    "\n   \n"  # blank lines
+    "\u3000\u00a0Unicode spaces at both ends\u2028\u2003\n"
+    "a \u00a0 space inside stays\n" + " " * 40 + "more leading spaces than a vectorised round takes\x1f\n"
+    "caf\u00e9 \u4e2d\u6587\u3002\n"  # non-ASCII that is not whitespace: kept
+    "no final newline"
+)
+
+
+def test_the_text_cleaner_strips_and_drops_lines_exactly_as_str_strip_does(tmp_path, monkeypatch):
+    path = tmp_path / "tricky.txt"
+    path.write_bytes((TRICKY * 7).encode("utf-8"))
+    monkeypatch.setattr(t, "TEXT_CHUNK_BYTES", 37)  # many blocks, cut mid-line and mid-character
+    expected = [line.strip() for line in (TRICKY * 7).removeprefix("\ufeff").split("\n") if line.strip()]
+    corpus = built_in_memory(cfg_for("--corpus-file", str(path), "--cache-dir", "none"))
+    assert bytes(corpus.stream) == t.packed_stream(expected)
+    lines = [bytes(corpus.stream[a + 1 : b]).decode() for a, b in zip(corpus.edges[:-1], corpus.edges[1:], strict=True)]
+    assert lines == expected
+    assert t.read_corpus_lines(path) == expected
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_byte_examples_are_the_ones_built_in_memory_before_the_cache(corpus_lines, pack):
+    train_idx, val_idx = t.split_indices(len(corpus_lines), 0.1, seed=1337)
+    corpus = t.Lines.from_texts(corpus_lines)
+    train_lines, val_lines = [corpus_lines[i] for i in train_idx], [corpus_lines[i] for i in val_idx]
+    val = t.ByteWindows(corpus.subset(val_idx), 64, pack)
+    inputs, targets = reference_byte_examples(val_lines, 64, pack)
+    assert torch.equal(val.inputs, inputs) and torch.equal(val.targets, targets)
+    assert torch.equal(val.target_bytes, (targets != t.IGNORE_INDEX).sum(dim=1))
+    if pack:
+        train = t.ShiftingWindows(corpus.subset(train_idx), 64, seed=7)
+        for epoch in (0, 1, 5):
+            train.set_epoch(epoch)
+            for i in (0, 1, len(train) // 2, len(train) - 1):
+                window = reference_shifting_window(train_lines, 64, 7, epoch, i)
+                assert torch.equal(torch.cat([train[i][0], train[i][1][-1:]]), window), (epoch, i)
+    else:
+        train = t.ByteWindows(corpus.subset(train_idx), 64, False)
+        inputs, targets = reference_byte_examples(train_lines, 64, False)
+        assert torch.equal(train.inputs, inputs) and torch.equal(train.targets, targets)
+
+
+def test_the_split_holds_out_the_same_lines_as_before(corpus_lines):
+    order = torch.randperm(len(corpus_lines), generator=torch.Generator().manual_seed(5)).tolist()
+    held_out = sorted(order[: round(len(corpus_lines) * 0.2)])
+    train, val = t.split_indices(len(corpus_lines), 0.2, seed=5)
+    assert val.tolist() == held_out and sorted([*train, *val]) == list(range(len(corpus_lines)))
+
+
+# ----- 6. pretrained rows: the same batches, in every format, packed and not, cut and not -----
+
+FORMATS = ("messages", "sharegpt", "prompt-completion", "alpaca", "text")
+
+
+def in_format(fmt: str, conversation: dict) -> dict:
+    """The conversation as a record of another schema (its last exchange, where the schema has one)."""
+    turns = conversation["messages"]
+    question, answer = turns[-2]["content"], turns[-1]["content"]
+    if fmt == "sharegpt":
+        names = {"user": "human", "assistant": "gpt", "system": "system"}
+        return {"conversations": [{"from": names[m["role"]], "value": m["content"]} for m in turns]}
+    if fmt == "prompt-completion":
+        return {"prompt": question, "completion": " " + answer}
+    if fmt == "alpaca":
+        return {"instruction": question, "output": answer}
+    if fmt == "text":
+        return {"text": " ".join(m["content"] for m in turns)}
+    return conversation
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("seq_len", "pack"), [(256, False), (256, True), (100, False)])
+def test_token_rows_from_the_cache_are_the_rows_built_in_memory_before_it(
+    tiny_qwen, tokenizer, conversations, tmp_path, fmt, seq_len, pack
+):
+    path = write_jsonl(tmp_path / f"{fmt}.jsonl", [in_format(fmt, c) for c in conversations[:400]])
+    cfg = cfg_for("--model", "hf", "--model-name-or-path", str(tiny_qwen), "--corpus-file", str(path),
+                  "--cache-dir", str(tmp_path / "cache"))  # fmt: skip
+    corpus = built_in_memory(cfg, tiny_qwen)
+    assert isinstance(corpus.ids, np.memmap) and corpus.ids.dtype == np.uint16, "mapped, 2 bytes a token"
+    records, _ = t.read_records(path, "auto")
+    train_idx, val_idx = t.split_indices(len(records), 0.1, seed=1)
+    for chosen, rows_pack in ((train_idx, pack), (val_idx, False)):
+        rows, _ = t.encode_records_with_tokenizer(corpus.subset(chosen), tokenizer, seq_len, False, rows_pack)
+        reference = reference_token_rows([records[i] for i in chosen], tokenizer, seq_len, False, rows_pack)
+        assert len(rows) == len(reference)
+        for r, (inputs, targets, positions, nbytes) in enumerate(reference):
+            row = rows[r]
+            assert torch.equal(row[0], inputs) and torch.equal(row[1], targets), r
+            assert not rows_pack or torch.equal(row[2], positions), r
+            assert int(rows.target_bytes[r]) == nbytes, r
+
+
+def test_memory_per_rank_does_not_grow_with_seq_len(tmp_path):
+    """100,000 lines at seq 2,048 held padded would take 3.3 GB (inputs and targets, int64)."""
+    path = tmp_path / "lines.txt"
+    path.write_text("".join(f"line {i} of a corpus that is long enough\n" for i in range(100_000)))
+    peaks = {}
+    for seq_len in (128, 2048):
+        out = tmp_path / f"out{seq_len}"
+        args = [*TINY, "--no-pack", "--seq-len", str(seq_len), "--max-steps", "1", "--val-fraction", "0"]
+        run = launch([*args, "--corpus-file", str(path), "--output-dir", str(out), "--cache-dir", str(tmp_path / "c")])
+        assert_ok(run)
+        peaks[seq_len] = max(rank["peak"] for rank in json.loads((out / "memory.json").read_text()))
+    assert peaks[2048] < 1.1 * peaks[128], peaks
+    assert peaks[2048] < 1 << 30, peaks
+
+
+# ----- 1. built once, reused, keyed by what decides the tokens -----
+
+
+def test_a_second_run_reuses_the_cache_and_trains_identically(tmp_path):
+    cache = tmp_path / "cache"
+    runs = [launch([*TINY, "--max-steps", "3", "--output-dir", str(tmp_path / f"run{k}"), "--cache-dir", str(cache)])
+            for k in (1, 2)]  # fmt: skip
+    for run in runs:
+        assert_ok(run)
+    assert re.match(r"\[cache\] built .*bytes-\w+: 375 lines, [\d,]+ tokens in [\d.]+ s", cache_line(runs[0]))
+    assert "[cache] reused" in cache_line(runs[1]) and str(cache) in cache_line(runs[1])
+    assert runs[0].losses() == runs[1].losses()
+    assert same_weights(tmp_path / "run1/tiny_transformer.pt", tmp_path / "run2/tiny_transformer.pt")
+    assert len(caches(cache)) == 1
+
+
+def test_the_key_changes_with_what_decides_the_tokens_and_with_nothing_else(tiny_qwen, conversations, tmp_path):
+    data = write_jsonl(tmp_path / "chat.jsonl", conversations[:50])
+    base = ["--model", "hf", "--model-name-or-path", str(tiny_qwen), "--corpus-file", str(data)]
+    key = t.corpus_key(cfg_for(*base), tiny_qwen)
+    for same in (["--lr", "1e-3"], ["--batch-size", "2"], ["--seed", "3"], ["--max-steps", "9"], ["--seq-len", "64"],
+                 ["--pack"], ["--val-fraction", "0.3"], ["--output-dir", "elsewhere"]):  # fmt: skip
+        assert t.corpus_key(cfg_for(*base, *same), tiny_qwen) == key, same
+    assert t.corpus_key(cfg_for(*base, "--train-on-prompt"), tiny_qwen) != key
+    assert t.corpus_key(cfg_for(*base, "--data-format", "messages"), tiny_qwen) != key
+    copy = tmp_path / "chat copy.jsonl"
+    shutil.copy(data, copy)
+    os.utime(copy, (1, 1))
+    assert t.corpus_key(cfg_for(*base, "--corpus-file", str(copy)), tiny_qwen) == key, "the content, not the name"
+    copy.write_text(copy.read_text().replace("Answer briefly.", "Answer at length."))
+    assert t.corpus_key(cfg_for(*base, "--corpus-file", str(copy)), tiny_qwen) != key, "an edited file"
+    template = tmp_path / "another template"
+    shutil.copytree(tiny_qwen, template)
+    jinja = template / "chat_template.jinja"
+    jinja.write_text(jinja.read_text().replace("<|im_start|>", "<|im_start|> "))
+    assert t.corpus_key(cfg_for(*base), template) != key, "another chat template"
+    from tiny_qwen import build_tiny_qwen
+
+    other = build_tiny_qwen(tmp_path / "another tokenizer", [c["messages"][-1]["content"] for c in conversations], 300)
+    assert t.corpus_key(cfg_for(*base), other) != key, "another tokenizer"
+
+
+def test_a_pretrained_run_on_two_ranks_trains_from_the_cache_exactly_as_in_memory(tiny_qwen, conversations, tmp_path):
+    """3,000 conversations: rank 0 builds with a pool of processes, rank 1 waits, both map it."""
+    data = write_jsonl(tmp_path / "chat.jsonl", conversations)
+    args = hf(tiny_qwen, "--corpus-file", str(data), "--max-steps", "3", "--pack", "--seq-len", "256",
+              "--val-fraction", "0.01", "--nproc", "2")  # fmt: skip
+    built, reused, memory = (
+        launch([*args, "--output-dir", str(tmp_path / name), "--cache-dir", cache], timeout=240)
+        for name, cache in (("built", str(tmp_path / "c")), ("reused", str(tmp_path / "c")), ("memory", "none"))
+    )
+    for run in (built, reused, memory):
+        assert_ok(run)
+    assert re.search(
+        r"\[cache\] built .*: 3,000 messages records, [\d,]+ tokens in [\d.]+ s \(\d+ process", built.stdout
+    )
+    assert built.stdout.count("[cache]") == 1, "rank 0 built it; rank 1 mapped it without a word"
+    assert "[cache] reused" in reused.stdout and "[cache] none" in memory.stdout
+    assert built.losses() == reused.losses() == memory.losses()
+    weights = [adapter(tmp_path / name) for name in ("built", "reused", "memory")]
+    assert all(torch.equal(weights[0][k], w[k]) for w in weights[1:] for k in weights[0])
+
+
+def test_a_damaged_cache_file_is_rebuilt_never_trained_on(tmp_path):
+    cache, args = tmp_path / "cache", [*TINY, "--max-steps", "2", "--cache-dir", str(tmp_path / "cache")]
+    assert_ok(launch([*args, "--output-dir", str(tmp_path / "first")]))
+    (folder,) = cache.iterdir()
+    for damage, said in (
+        (lambda data: data[:-5], "holds 35194 bytes where 35199 were written"),
+        (lambda data: data[:100] + bytes([data[100] ^ 1]) + data[101:], "fails its CRC-32 check"),
+    ):
+        stream = folder / "stream.bin"
+        stream.write_bytes(damage(stream.read_bytes()))
+        run = launch([*args, "--output-dir", str(tmp_path / "again"), "--overwrite"])
+        assert_ok(run)
+        assert f"stream.bin {said}: building it again" in run.stdout and "[cache] built" in run.stdout
+        assert same_weights(tmp_path / "first/tiny_transformer.pt", tmp_path / "again/tiny_transformer.pt")
+
+
+def test_a_killed_build_leaves_no_cache_that_a_later_run_loads(tiny_qwen, conversations, tmp_path):
+    data = write_jsonl(tmp_path / "chat.jsonl", conversations * 4)  # 12,000: a build of many seconds
+    cache = tmp_path / "cache"
+    args = [*hf(tiny_qwen, "--corpus-file", str(data), "--max-steps", "1"), "--cache-dir", str(cache)]
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=child_env(), start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not any((p / "ids.bin").exists() for p in cache.glob(".tokens-*.tmp-*")):
+            assert time.monotonic() < deadline and proc.poll() is None, "the build never started writing"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert not [p for p in caches(cache) if p.startswith("tokens-")], "nothing a later run would load"
+    run = launch([*args, "--max-steps", "1", "--val-fraction", "0.001"], timeout=240)
+    assert_ok(run)
+    assert "[cache] built" in run.stdout
+
+
+def test_two_runs_building_the_same_cache_at_once_both_succeed(tmp_path):
+    path = tmp_path / "lines.txt"
+    path.write_text("".join(f"line {i}: the same words again and again, to make a corpus\n" for i in range(300_000)))
+    cmds = [[sys.executable, str(SCRIPT), *TINY, "--max-steps", "2", "--corpus-file", str(path), "--val-fraction",
+             "0.001", "--output-dir", str(tmp_path / f"out{k}"), "--cache-dir", str(tmp_path / "cache")]
+            for k in (0, 1)]  # fmt: skip
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
+                              start_new_session=True) for c in cmds]  # fmt: skip
+    try:
+        outputs = [p.communicate(timeout=180)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert all("[cache] built" in out or "[cache] reused" in out for out in outputs)
+    assert caches(tmp_path / "cache") == [next(iter(caches(tmp_path / "cache")))], "one cache, no leftovers"
+    assert same_weights(tmp_path / "out0/tiny_transformer.pt", tmp_path / "out1/tiny_transformer.pt")
+
+
+def test_a_machine_that_cannot_see_rank_0s_cache_builds_its_own(tmp_path):
+    """Two "machines" (torchrun agents) whose --cache-dir default is node-local: each builds once."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    args = [*TINY, "--max-steps", "2", "--output-dir", str(tmp_path / "out")]
+    launcher = f"--nnodes 2 --rdzv-backend c10d --rdzv-endpoint {endpoint} --rdzv-id node-local-cache".split()
+    cmds = [torchrun_cmd(1, args, [*launcher, "--node-rank", str(k)]) for k in (0, 1)]
+    envs = [child_env({"XDG_CACHE_HOME": str(tmp_path / f"node{k}")}) for k in (0, 1)]
+    other = subprocess.Popen(cmds[1], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=envs[1],
+                             start_new_session=True)  # fmt: skip
+    try:
+        run = run_cmd(cmds[0], timeout=120, env=envs[0])
+        other_out, _ = other.communicate(timeout=60)
+    finally:
+        other.kill()
+    assert_ok(run)
+    assert other.returncode == 0, other_out
+    assert (run.stdout + other_out).count("[cache] built") == 2
+    for k in (0, 1):
+        assert len(caches(tmp_path / f"node{k}" / "llm_ddp_parallel_training")) == 1
+
+
+# ----- 3. the source streams; a broken line stops the build before training, leaving nothing -----
+
+
+def test_a_broken_line_stops_every_rank_naming_it_and_leaves_no_cache(tiny_qwen, conversations, tmp_path):
+    lines = [json.dumps(c) for c in conversations]
+    lines[2_800] = lines[2_800][:-3]  # in the pool's second chunk
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    cache = tmp_path / "cache"
+    run = launch([*hf(tiny_qwen, "--corpus-file", str(data)), "--cache-dir", str(cache)], nproc=2, timeout=180)
+    assert_one_clear_error(run, f"{data}:2801: not valid JSON", 2)
+    assert caches(cache) == [], "no cache, not even a half-written one"
+
+
+# ----- 8. bad input: one line on every rank, before training, nothing half-written left behind -----
+
+
+def test_a_cache_dir_that_cannot_be_written_is_one_line(tmp_path):
+    (tmp_path / "a file").write_text("not a folder")
+    run = launch([*TINY, "--cache-dir", str(tmp_path / "a file" / "cache")], nproc=2)
+    assert_one_clear_error(run, "cannot write the token cache in", 2)
+    assert "--cache-dir none" in run.stderr
+
+
+def limit_file_size() -> None:  # in the child: files stop growing at 1 MB, as on a full disk
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead of killing
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
+
+def test_a_disk_that_fills_mid_build_is_one_line_and_leaves_nothing(tmp_path):
+    path = tmp_path / "lines.txt"
+    path.write_text("".join(f"line {i} of a corpus bigger than the disk has room for\n" for i in range(100_000)))
+    cache = tmp_path / "cache"
+    cmd = [sys.executable, str(SCRIPT), *TINY, "--corpus-file", str(path), "--cache-dir", str(cache)]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=60, preexec_fn=limit_file_size)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr
+    assert "cannot write the token cache" in errors[0] and "File too large" in errors[0]
+    assert time.perf_counter() - start < 30
+    assert caches(cache) == []
+
+
+# ----- 5. --dataset: the Hub, parquet and save_to_disk through Hugging Face datasets -----
+
+
+@pytest.fixture(scope="module")
+def saved_datasets(conversations, tmp_path_factory) -> dict[str, Path]:
+    import datasets
+
+    root = tmp_path_factory.mktemp("datasets")
+    data = datasets.Dataset.from_list(conversations[:600])
+    data.to_parquet(str(root / "chat.parquet"))
+    data.save_to_disk(str(root / "saved"))
+    datasets.DatasetDict({"train": data, "test": data.select(range(10))}).save_to_disk(str(root / "saved_dict"))
+    write_jsonl(root / "chat.jsonl", conversations[:600])
+    return {"parquet": root / "chat.parquet", "saved": root / "saved", "saved_dict": root / "saved_dict",
+            "jsonl": root / "chat.jsonl"}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["parquet", "saved", "saved_dict"])
+def test_a_dataset_gives_the_tokens_of_the_same_records_in_a_jsonl_file(tiny_qwen, saved_datasets, tmp_path, kind):
+    from_file = built_in_memory(cfg_for(*hf(tiny_qwen, "--corpus-file", str(saved_datasets["jsonl"])),
+                                        "--cache-dir", "none"), tiny_qwen)  # fmt: skip
+    from_dataset = built_in_memory(cfg_for(*hf(tiny_qwen, "--dataset", str(saved_datasets[kind])),
+                                           "--cache-dir", str(tmp_path)), tiny_qwen)  # fmt: skip
+    for name in ("ids", "offsets", "is_target", "target_bytes", "first_target"):
+        assert np.array_equal(getattr(from_file, name), getattr(from_dataset, name)), name
+    assert from_dataset.fmt == "messages" and from_dataset.chat
+
+
+def test_a_parquet_dataset_trains_on_two_ranks_and_a_second_run_reuses_its_cache(tiny_qwen, saved_datasets, tmp_path):
+    args = [*hf(tiny_qwen, "--dataset", str(saved_datasets["parquet"]), "--max-steps", "2", "--seq-len", "256"),
+            "--cache-dir", str(tmp_path / "cache")]  # fmt: skip
+    first = launch([*args, "--output-dir", str(tmp_path / "a")], nproc=2, timeout=180)
+    second = launch([*args, "--output-dir", str(tmp_path / "b")], nproc=2, timeout=180)
+    assert_ok(first)
+    assert_ok(second)
+    assert "[cache] built" in first.stdout and "[cache] reused" in second.stdout
+    assert f"[data] {saved_datasets['parquet']}: 540 training messages records" in first.stdout
+    assert first.losses() == second.losses()
+
+
+@pytest.mark.parametrize(
+    ("what", "expected"),
+    [
+        ("no split", "has no split 'validation'"),
+        ("no usable column", "no known fields (answer, question)"),
+        ("not on the Hub", "cannot load --dataset nobody/no-such-dataset"),
+        ("no datasets", "pip install datasets"),
+    ],
+)
+def test_a_dataset_that_cannot_be_read_is_one_line(tiny_qwen, saved_datasets, tmp_path, what, expected):
+    import datasets
+
+    env = child_env()
+    if what == "no split":
+        args = ["--dataset", str(saved_datasets["saved_dict"]), "--dataset-split", "validation"]
+    elif what == "no usable column":
+        datasets.Dataset.from_list([{"question": "?", "answer": "!"}]).to_parquet(str(tmp_path / "qa.parquet"))
+        args = ["--dataset", str(tmp_path / "qa.parquet")]
+    elif what == "not on the Hub":
+        args = ["--dataset", "nobody/no-such-dataset"]
+    else:  # a datasets module that cannot be imported stands first on the path
+        (tmp_path / "shadow").mkdir()
+        (tmp_path / "shadow" / "datasets.py").write_text("raise ImportError('No module named datasets')\n")
+        env = child_env({"PYTHONPATH": f"{tmp_path / 'shadow'}{os.pathsep}{REPO}"})
+        args = ["--dataset", str(saved_datasets["parquet"])]
+    run = run_cmd(torchrun_cmd(2, [*hf(tiny_qwen, *args), "--cache-dir", str(tmp_path / "cache")]), 120, env)
+    assert_one_clear_error(run, expected, 2)
+    assert caches(tmp_path / "cache") == []
+
+
+def test_the_tiny_path_never_imports_datasets(tmp_path):
+    args = [*TINY, "--max-steps", "1", "--output-dir", str(tmp_path), "--cache-dir", str(tmp_path / "cache")]
+    code = f"import sys, llm_ddp_parallel_training as t\nt.main({args!r})\nprint('IMPORTED', 'datasets' in sys.modules)"
+    run = run_cmd([sys.executable, "-c", code], timeout=60)
+    assert_ok(run)
+    assert "IMPORTED False" in run.stdout
