@@ -70,6 +70,7 @@ import warnings
 import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
@@ -3144,6 +3145,12 @@ def tokenized_chunks(cfg: RunConfig, folder: Path, tokenizer: PreTrainedTokenize
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
+    except BrokenProcessPool:
+        # Ctrl-C reaches the whole process group, and a process still starting dies of it: then
+        # the stop is the news. (The signal's watcher thread records it a moment after it lands.)
+        time.sleep(0.5)
+        stop_if_asked()
+        raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 

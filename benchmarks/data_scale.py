@@ -76,11 +76,12 @@ measurements (GB = 10^9 bytes, the stricter reading for memory):
 - byte path, 1 GB of text (the largest of --text-mb): 2 steps in one process in <= 15 s (<= 5 s on
   a second start), peak RSS <= 0.6 GB.
 
-A run that fails or times out (--timeout) is a row that says so (its log's tail is printed) and the
-benchmark goes on. The runs write into a temp folder, removed at the end, also when a run fails or
-the benchmark is stopped (Ctrl-C, SIGTERM: the runs still going are ended first); --keep-outputs
-keeps it and prints its path, and --out DIR writes into DIR instead, which is never removed (the
-data files there are reused by a later run with the same --out).
+A run that fails or times out (--timeout) is a row that says so (its log's tail is printed) and
+the benchmark goes on, without the second start of that case (there is no warm cache to start
+from). The runs write into a temp folder, removed at the end, also when a run fails or the
+benchmark is stopped (Ctrl-C, SIGTERM: the runs still going are ended first); --keep-outputs keeps
+it and prints its path, and --out DIR writes into DIR instead, which is never removed (the data
+files and the model there are reused by a later run with the same --out; the caches are not).
 """
 
 from __future__ import annotations
@@ -715,6 +716,9 @@ def measure(out: Path, args: argparse.Namespace) -> None:
         for start in ("first", "second"):
             rows.append(run_case(case, start, model, has_cache_dir, args))
             save()
+            if not ok(rows[-1]):  # no warm cache to start from: a second start would be a first again
+                print(f"{case.name}: no second start, the first was not ok", flush=True)
+                break
 
     if not args.skip_chat:
         sys.path.insert(0, str(REPO / "tests"))

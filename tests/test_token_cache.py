@@ -329,20 +329,29 @@ def test_a_damaged_cache_file_is_rebuilt_never_trained_on(tmp_path):
         assert same_weights(tmp_path / "first/tiny_transformer.pt", tmp_path / "again/tiny_transformer.pt")
 
 
-def test_a_killed_build_leaves_no_cache_that_a_later_run_loads(tiny_qwen, conversations, tmp_path):
-    data = write_jsonl(tmp_path / "chat.jsonl", conversations * 4)  # 12,000: a build of many seconds
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGINT])
+def test_a_build_killed_or_stopped_midway_leaves_no_cache_that_a_later_run_loads(
+    tiny_qwen, conversations, tmp_path, how
+):
+    data = write_jsonl(tmp_path / "chat.jsonl", conversations * 2)  # 6,000: three chunks, two in the pool
     cache = tmp_path / "cache"
     args = [*hf(tiny_qwen, "--corpus-file", str(data), "--max-steps", "1"), "--cache-dir", str(cache)]
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env=child_env(), start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=child_env(), start_new_session=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 120
         while not any((p / "ids.bin").exists() for p in cache.glob(".tokens-*.tmp-*")):
             assert time.monotonic() < deadline and proc.poll() is None, "the build never started writing"
             time.sleep(0.05)
+        os.killpg(proc.pid, how)  # Ctrl-C reaches the whole process group: the pool's processes too
+        _, err = proc.communicate(timeout=60)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+    if how == signal.SIGINT:
+        assert proc.returncode == 1 and err.count("error: ") == 1, err
+        assert "stopped by SIGINT while building the token cache, before training: nothing was written" in err
+        assert caches(cache) == [], "a stopped build removes its folder"
     assert not [p for p in caches(cache) if p.startswith("tokens-")], "nothing a later run would load"
     run = launch([*args, "--max-steps", "1", "--val-fraction", "0.001"], timeout=240)
     assert_ok(run)
