@@ -422,12 +422,12 @@ class Lines:
     """A corpus of lines for the byte model, as the one byte stream packed_stream would make of
     them, b"\\n" + b"\\n".join(lines) + b"\\n": the bytes are the tokens. Line i is
     stream[edges[i] + 1 : edges[i + 1]], framed by the newlines at edges[i] and edges[i + 1].
-    `chosen` is the lines this set uses (training or held out), in file order."""
+    `chosen` marks the lines this set uses (training or held out), kept in file order."""
 
     stream: np.ndarray  # uint8, memory-mapped from the token cache (section 10) or in memory
     edges: np.ndarray  # (N + 1,) the framing newlines' positions
     key: str  # what the bytes are: the token cache's key, part of the training data's digest
-    chosen: np.ndarray | None = None  # None: every line
+    chosen: np.ndarray | None = None  # bool, one per line; None: every line
 
     @classmethod
     def from_texts(cls, texts: list[str]) -> Lines:
@@ -437,7 +437,7 @@ class Lines:
         return cls(stream, edges, sha256(stream.tobytes()))
 
     def __len__(self) -> int:
-        return len(self.edges) - 1 if self.chosen is None else len(self.chosen)
+        return len(self.edges) - 1 if self.chosen is None else int(self.chosen.sum())
 
     fmt = "text"  # lines, as describe_records says it
 
@@ -445,10 +445,11 @@ class Lines:
         return replace(self, chosen=chosen)
 
     def lines(self) -> np.ndarray:
-        return np.arange(len(self.edges) - 1) if self.chosen is None else self.chosen
+        return np.arange(len(self.edges) - 1) if self.chosen is None else np.flatnonzero(self.chosen)
 
     def digest(self, what: str) -> str:
-        return sha256(f"{self.key}:{what}:".encode() + self.lines().tobytes())
+        chosen = b"" if self.chosen is None else np.packbits(self.chosen).tobytes()
+        return sha256(f"{self.key}:{what}:".encode() + chosen)
 
 
 def packed_stream(lines: list[str]) -> bytes:
@@ -461,9 +462,10 @@ class Pieces:
     them: each run of consecutive chosen lines is one piece of the corpus's stream."""
 
     def __init__(self, corpus: Lines) -> None:
-        chosen, edges = corpus.lines(), corpus.edges
-        cut = np.flatnonzero(np.diff(chosen) != 1) + 1  # where a run of consecutive lines ends
-        first, last = chosen[np.concatenate([[0], cut])], chosen[np.concatenate([cut - 1, [len(chosen) - 1]])]
+        edges, n = corpus.edges, len(corpus.edges) - 1
+        chosen = np.ones(n, dtype=bool) if corpus.chosen is None else corpus.chosen
+        step = np.diff(np.concatenate([[False], chosen, [False]]).view(np.int8))  # +1 where a run opens, -1 after it
+        first, last = np.flatnonzero(step == 1), np.flatnonzero(step == -1) - 1
         # A run is its lines, each with its closing newline; the first run also takes the newline before it.
         self.starts = edges[first] + 1
         self.starts[0] -= 1
@@ -574,9 +576,9 @@ def encode_lines_as_bytes(lines: list[str], seq_len: int, pack: bool) -> ByteWin
     return ByteWindows(Lines.from_texts(lines), seq_len, pack)
 
 
-def split_indices(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def held_out(n: int, val_fraction: float, seed: int) -> np.ndarray:
     """Hold out a fraction of the n lines (or records) for validation: the same ones on every rank.
-    Returns the training and the held-out indices, each in file order.
+    Returns which are held out (bool, one per line); the rest train.
 
     The split comes from a generator seeded by --seed alone (not by the rank), so all ranks
     agree on it without talking; a rank-dependent split would leak held-out lines into
@@ -588,17 +590,19 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, n
             f"corpus too small: {n} line(s) cannot be split into training and validation lines "
             f"(--val-fraction {val_fraction}); add lines or pass --val-fraction 0"
         )
-    held_out = np.zeros(n, dtype=bool)
+    chosen = np.zeros(n, dtype=bool)
     if n_val:  # int32: the same permutation as int64's, in half the memory (a million lines: 4 MB)
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed), dtype=torch.int32)
-        held_out[order[:n_val].numpy()] = True
-    return np.flatnonzero(~held_out), np.flatnonzero(held_out)
+        chosen[order[:n_val].numpy()] = True
+    return chosen
 
 
 def split_lines(lines: list, val_fraction: float, seed: int) -> tuple[list, list]:
-    """split_indices, for a list of lines or records."""
-    train, val = split_indices(len(lines), val_fraction, seed)
-    return [lines[i] for i in train], [lines[i] for i in val]
+    """held_out, for a list of lines or records: (training, held out)."""
+    val = held_out(len(lines), val_fraction, seed)
+    return [line for line, v in zip(lines, val, strict=True) if not v], [
+        line for line, v in zip(lines, val, strict=True) if v
+    ]
 
 
 def trim_padding(batch: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
@@ -2874,7 +2878,7 @@ def turn_closing_token(tokenizer: PreTrainedTokenizerBase) -> int | None:
 class Tokens:
     """Every record's tokens, end to end: record i is ids[offsets[i] : offsets[i + 1]], and token j
     counts in the loss where is_target[j] (predicted from token j - 1). Memory-mapped from the
-    token cache, or in memory; `chosen` is the records this set uses, in file order."""
+    token cache, or in memory; `chosen` marks the records this set uses, kept in file order."""
 
     ids: np.ndarray  # uint16 or uint32: the smallest that holds the vocabulary
     offsets: np.ndarray  # (N + 1,) int64
@@ -2885,16 +2889,16 @@ class Tokens:
     chat: bool  # conversations: sampling answers through the chat template
     completions: bool  # prompt-completion records: sampling continues a prompt with no start token
     fmt: str = "text"  # the records' format, as the file gives it (describe_records)
-    chosen: np.ndarray | None = None  # None: every record
+    chosen: np.ndarray | None = None  # bool, one per record; None: every record
 
     def __len__(self) -> int:
-        return len(self.offsets) - 1 if self.chosen is None else len(self.chosen)
+        return len(self.offsets) - 1 if self.chosen is None else int(self.chosen.sum())
 
     def subset(self, chosen: np.ndarray) -> Tokens:
         return replace(self, chosen=chosen)
 
     def records(self) -> np.ndarray:
-        return np.arange(len(self.offsets) - 1) if self.chosen is None else self.chosen
+        return np.arange(len(self.offsets) - 1) if self.chosen is None else np.flatnonzero(self.chosen)
 
 
 class TokenRows(Rows):
@@ -5860,15 +5864,15 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
         return
     # The corpus as tokens, built into the token cache once and memory-mapped (section 10).
     corpus = open_corpus(cfg, d, resolve_model_files(cfg, d) if cfg.model == "hf" else None)
-    train_records, val_records = split_indices(len(corpus), cfg.val_fraction, cfg.seed)
+    val = held_out(len(corpus), cfg.val_fraction, cfg.seed)
     build_kit = build_pretrained_kit if cfg.model == "hf" else build_tiny_kit
-    kit = build_kit(cfg, d, corpus.subset(train_records), corpus.subset(val_records))
+    kit = build_kit(cfg, d, corpus.subset(~val), corpus.subset(val))
     seed_dropout_per_rank(cfg, d)
     log(
         d,
-        f"[data] {cfg.dataset or cfg.corpus_file}: {len(train_records)} training {describe_records(corpus.fmt)} -> "
+        f"[data] {cfg.dataset or cfg.corpus_file}: {len(val) - val.sum()} training {describe_records(corpus.fmt)} -> "
         f"{len(kit.train)} examples of {cfg.seq_len} tokens{'; ' + kit.data_report if kit.data_report else ''}; "
-        f"{len(val_records)} held out for validation",
+        f"{val.sum()} held out for validation",
     )
     log(d, f"[model] {kit.describe}")
     cfg = steps_for_epochs(cfg, d, kit)
