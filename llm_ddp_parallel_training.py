@@ -399,7 +399,7 @@ class Examples(Dataset):
 
 class Rows(Dataset):
     """Training examples made one row at a time, when a batch asks for it, from flat arrays of
-    tokens (memory-mapped from the token cache, section 10): nothing is ever held padded to
+    tokens (read from the token cache, section 10, as batches ask): nothing is ever held padded to
     seq_len, so memory does not grow with seq_len x examples. Row i is (inputs, targets[,
     positions]), each of seq_len tokens; trim_padding then cuts the batch to its longest row."""
 
@@ -417,6 +417,32 @@ class Rows(Dataset):
     positions = property(lambda self: self.whole.positions)
 
 
+class FileArray:
+    """A 1-D array kept in a file of the token cache, read a slice at a time when a batch asks.
+
+    Not a memory map: a map keeps every page a batch ever touched in the rank's resident memory
+    (on this machine's kernel each touch maps up to 2 MB around it: 76 held-out rows of a 1 GB
+    corpus took 200 MB), so a long run's memory would grow to the size of the cache. A read
+    holds only the batch."""
+
+    def __init__(self, path: Path, dtype: np.dtype, length: int) -> None:
+        self.path, self.dtype, self.length = path, np.dtype(dtype), length
+        self.file = open(path, "rb")  # noqa: SIM115 (open as long as the run: every batch reads it)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, key: slice | np.ndarray) -> np.ndarray:
+        if isinstance(key, slice):
+            start, stop, _ = key.indices(self.length)
+            self.file.seek(start * self.dtype.itemsize)
+            return np.frombuffer(self.file.read(max(0, stop - start) * self.dtype.itemsize), self.dtype)
+        key = np.asarray(key)
+        if key.size > self.length // 64:  # most of it: read it whole
+            return np.fromfile(self.path, self.dtype)[key]
+        return np.array([self[i : i + 1][0] for i in key.ravel().tolist()], self.dtype).reshape(key.shape)
+
+
 @dataclass(frozen=True)
 class Lines:
     """A corpus of lines for the byte model, as the one byte stream packed_stream would make of
@@ -424,8 +450,8 @@ class Lines:
     stream[edges[i] + 1 : edges[i + 1]], framed by the newlines at edges[i] and edges[i + 1].
     `chosen` marks the lines this set uses (training or held out), kept in file order."""
 
-    stream: np.ndarray  # uint8, memory-mapped from the token cache (section 10) or in memory
-    edges: np.ndarray  # (N + 1,) the framing newlines' positions
+    stream: np.ndarray | FileArray  # uint8, in the token cache (section 10) or in memory
+    edges: np.ndarray | FileArray  # (N + 1,) the framing newlines' positions
     key: str  # what the bytes are: the token cache's key, part of the training data's digest
     chosen: np.ndarray | None = None  # bool, one per line; None: every line
 
@@ -477,9 +503,12 @@ class Pieces:
 
     def read(self, at: int, n: int) -> torch.Tensor:
         """Bytes [at, at + n) of the laid-out stream (fewer at its end), as int64 token ids."""
-        where = np.arange(at, min(at + n, len(self)))
-        piece = np.searchsorted(self.cum, where, side="right") - 1
-        return torch.from_numpy(self.stream[self.starts[piece] + where - self.cum[piece]].astype(np.int64))
+        end, piece, parts = min(at + n, len(self)), int(np.searchsorted(self.cum, at, side="right")) - 1, []
+        while at < end:  # a window crosses a piece's end where a held-out line was left out
+            take, start = min(end, int(self.cum[piece + 1])) - at, int(self.starts[piece]) + at - int(self.cum[piece])
+            parts.append(self.stream[start : start + take])
+            at, piece = at + take, piece + 1
+        return torch.from_numpy(np.concatenate(parts).astype(np.int64))
 
 
 class ShiftingWindows(Rows):
@@ -625,12 +654,23 @@ def collate_for(cfg: RunConfig) -> Callable[[list], tuple[torch.Tensor, ...]]:
     return flatten_rows if flash else trim_padding
 
 
+class LeanDistributedSampler(DistributedSampler):
+    """DistributedSampler's order exactly (the same permutation, the same slice per rank), handed out
+    from the permutation's tensor instead of a Python list of every index: the 7.8 M windows of a
+    1 GB corpus made that list 320 MB on every rank."""
+
+    def __iter__(self) -> Iterator[int]:
+        order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        for part in order[: self.total_size][self.rank :: self.num_replicas].split(1 << 16):
+            yield from part.tolist()
+
+
 def make_train_loader(dataset: Dataset, cfg: RunConfig, d: Dist) -> tuple[DataLoader, DistributedSampler]:
     # Every rank builds the same permutation (same seed, same epoch) and keeps every
     # world_size-th index starting at its rank: disjoint shards that together cover the data.
     # drop_last trims the permutation to a multiple of world_size instead of padding it with
     # repeats, so no example is trained twice in an epoch.
-    sampler = DistributedSampler(
+    sampler = LeanDistributedSampler(
         dataset, num_replicas=d.world_size, rank=d.rank, shuffle=True, seed=cfg.seed, drop_last=True
     )
     per_step = cfg.batch_size * cfg.grad_accum_steps
@@ -1868,7 +1908,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--cache-dir",
         metavar="DIR",
-        help="where the corpus is kept tokenized, built once and memory-mapped by every rank (default: "
+        help="where the corpus is kept tokenized: built once, then read by every rank as batches ask (default: "
         "$XDG_CACHE_HOME or ~/.cache, then llm_ddp_parallel_training); none: tokenize in memory, for this run only",
     )
 
@@ -2336,12 +2376,12 @@ class Record:
     source: str = field(default="", compare=False)  # FILE:LINE, for errors found later
 
 
-# ----- the token cache: each record tokenized once, by one process per machine, memory-mapped by every rank -----
+# ----- the token cache: each record tokenized once, by one process per machine, read by every rank -----
 #
 # A corpus becomes flat arrays, written once into --cache-dir under a key made of everything that
-# decides the tokens; a later run, a resume or a restart with the same inputs memory-maps them and
+# decides the tokens; a later run, a resume or a restart with the same inputs reads them and
 # tokenizes nothing. Rank 0 builds first; then the first rank of each machine that cannot see its
-# cache (a node-local --cache-dir) builds its own; then every other rank maps what they built.
+# cache (a node-local --cache-dir) builds its own; then every other rank opens what they built.
 
 CACHE_FORMAT = 1  # raise when what a cache holds, or how records become tokens, changes
 CHUNK_RECORDS = 2000  # records a tokenizing process takes at a time; a source of one chunk starts no pool
@@ -2877,12 +2917,12 @@ def turn_closing_token(tokenizer: PreTrainedTokenizerBase) -> int | None:
 @dataclass(frozen=True)
 class Tokens:
     """Every record's tokens, end to end: record i is ids[offsets[i] : offsets[i + 1]], and token j
-    counts in the loss where is_target[j] (predicted from token j - 1). Memory-mapped from the
+    counts in the loss where is_target[j] (predicted from token j - 1). Read from the
     token cache, or in memory; `chosen` marks the records this set uses, kept in file order."""
 
-    ids: np.ndarray  # uint16 or uint32: the smallest that holds the vocabulary
+    ids: np.ndarray | FileArray  # uint16 or uint32: the smallest that holds the vocabulary
     offsets: np.ndarray  # (N + 1,) int64
-    is_target: np.ndarray  # bool, one per token
+    is_target: np.ndarray | FileArray  # bool, one per token
     target_bytes: np.ndarray  # (N,) UTF-8 bytes each whole record's targets spell (count_target_bytes)
     first_target: np.ndarray  # (N,) where each record's first target after its first token is; its length if none
     key: str  # the token cache's key, part of the training data's digest
@@ -3299,13 +3339,17 @@ def cache_problem(folder: Path, key: str) -> str | None:
     return None
 
 
-def map_cache(folder: Path) -> tuple[dict[str, np.ndarray], dict]:
-    """The cache's arrays, memory-mapped read-only (pages are read when a batch touches them), and its meta."""
+READ_AS_NEEDED = ("stream", "edges", "ids", "is_target")  # one entry per token or line: FileArray
+
+
+def open_cache(folder: Path) -> tuple[dict[str, np.ndarray | FileArray], dict]:
+    """The cache's arrays and its meta: those with an entry per token (or per line of text) to be
+    read a slice at a time as batches ask, the few per record read whole."""
     meta = json.loads((folder / "meta.json").read_text())
     arrays = {}
     for name, fact in meta["arrays"].items():
-        dtype, n = np.dtype(fact["dtype"]), fact["length"]
-        arrays[name] = np.memmap(folder / f"{name}.bin", dtype=dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
+        path, dtype = folder / f"{name}.bin", np.dtype(fact["dtype"])
+        arrays[name] = FileArray(path, dtype, fact["length"]) if name in READ_AS_NEEDED else np.fromfile(path, dtype)
     return arrays, meta
 
 
@@ -3436,13 +3480,13 @@ def dataset_rows(cfg: RunConfig) -> Iterator[list[tuple[int, dict]]]:
 
 
 def open_corpus(cfg: RunConfig, d: Dist, folder: Path | None) -> Lines | Tokens:
-    """The training data as the model's tokens: memory-mapped from the token cache, built first if
+    """The training data as the model's tokens: read from the token cache, built first if
     no earlier run built it (folder: the pretrained model's, None for the byte model).
 
     Rank 0 builds first, with every core of its machine, while the others wait with no deadline
     (section 9's meetings: a large build takes longer than --timeout-s). Then the first rank of
     each other machine builds its own if it cannot see rank 0's (a node-local --cache-dir), as
-    TRL's global_then_local_main_first does; then every other rank maps what is there. A failure
+    TRL's global_then_local_main_first does; then every other rank opens what is there. A failure
     anywhere stops every rank with its one line."""
     if cfg.cache_dir is None:  # every rank its own, all at once, each in one process: they share the cores
         return load_or_build_corpus(cfg, d, folder, workers=1 if d.distributed else usable_cores())
@@ -3463,7 +3507,7 @@ def open_corpus(cfg: RunConfig, d: Dist, folder: Path | None) -> Lines | Tokens:
 
 
 def load_or_build_corpus(cfg: RunConfig, d: Dist, folder: Path | None, workers: int) -> Lines | Tokens:
-    """This process's view of the corpus: the cache mapped if it passes its check, else built first."""
+    """This process's view of the corpus: the cache opened if it passes its check, else built first."""
     started = time.perf_counter()
     key = corpus_key(cfg, folder)
 
@@ -3483,7 +3527,7 @@ def load_or_build_corpus(cfg: RunConfig, d: Dist, folder: Path | None, workers: 
         if problem:
             say(f"[cache] {place} {problem}: building it again")
         build_cache(cfg, place, key, build)
-    arrays, meta = map_cache(place)
+    arrays, meta = open_cache(place)
     what = f"{meta['records']:,} {describe_records(meta['fmt'])}, {meta['tokens']:,} tokens"
     if problem is not None:
         processes = meta["workers"] if meta["records"] > CHUNK_RECORDS else 1
@@ -3493,7 +3537,7 @@ def load_or_build_corpus(cfg: RunConfig, d: Dist, folder: Path | None, workers: 
     return corpus_from(arrays, meta, key)
 
 
-def corpus_from(arrays: dict[str, np.ndarray], meta: dict, key: str) -> Lines | Tokens:
+def corpus_from(arrays: dict[str, np.ndarray | FileArray], meta: dict, key: str) -> Lines | Tokens:
     if "stream" in arrays:
         return Lines(arrays["stream"], arrays["edges"], key)
     return Tokens(
@@ -5862,7 +5906,7 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
     if cfg.show_examples:
         show_examples(cfg, d, first_records(cfg, cfg.show_examples))
         return
-    # The corpus as tokens, built into the token cache once and memory-mapped (section 10).
+    # The corpus as tokens, built into the token cache once; batches read their rows from it (section 10).
     corpus = open_corpus(cfg, d, resolve_model_files(cfg, d) if cfg.model == "hf" else None)
     val = held_out(len(corpus), cfg.val_fraction, cfg.seed)
     build_kit = build_pretrained_kit if cfg.model == "hf" else build_tiny_kit

@@ -191,6 +191,17 @@ def test_the_split_holds_out_the_same_lines_as_before(corpus_lines):
     assert np.flatnonzero(t.held_out(len(corpus_lines), 0.2, seed=5)).tolist() == held_out
 
 
+def test_the_lean_sampler_hands_each_rank_what_torchs_distributed_sampler_does():
+    data = list(range(1_003))
+    for world, seed, epoch in ((1, 0, 0), (2, 1337, 0), (3, 5, 4), (8, 9, 1)):
+        for rank in range(world):
+            ours = t.LeanDistributedSampler(data, num_replicas=world, rank=rank, seed=seed, drop_last=True)
+            torchs = torch.utils.data.DistributedSampler(data, num_replicas=world, rank=rank, seed=seed, drop_last=True)
+            ours.set_epoch(epoch)
+            torchs.set_epoch(epoch)
+            assert list(ours) == list(torchs) and len(ours) == len(torchs)
+
+
 # ----- 6. pretrained rows: the same batches, in every format, packed and not, cut and not -----
 
 FORMATS = ("messages", "sharegpt", "prompt-completion", "alpaca", "text")
@@ -221,7 +232,7 @@ def test_token_rows_from_the_cache_are_the_rows_built_in_memory_before_it(
     cfg = cfg_for("--model", "hf", "--model-name-or-path", str(tiny_qwen), "--corpus-file", str(path),
                   "--cache-dir", str(tmp_path / "cache"))  # fmt: skip
     corpus = built_in_memory(cfg, tiny_qwen)
-    assert isinstance(corpus.ids, np.memmap) and corpus.ids.dtype == np.uint16, "mapped, 2 bytes a token"
+    assert isinstance(corpus.ids, t.FileArray) and corpus.ids.dtype == np.uint16, "read as needed, 2 bytes a token"
     records, _ = t.read_records(path, "auto")
     val = t.held_out(len(records), 0.1, seed=1)
     for chosen, rows_pack in ((~val, pack), (val, False)):
