@@ -17,7 +17,8 @@ in the order the data flows; after a banner, sections 8-17 make it production-gr
     -------------------     a reader who came for DDP may stop here
     8. Command line         argparse fills the RunConfig, and refuses what cannot run
     9. Launcher             ranks started without torchrun (--nproc), and meetings with no deadline
-   10. Records              .jsonl schemas, chat templates and assistant-only targets, packing
+   10. Records              .jsonl schemas, chat templates and assistant-only targets, packing,
+                            the token cache
    11. Pretrained models    Qwen2.5, Llama, Gemma, Mistral, Phi-3, ... with LoRA; the tiny model's
                             size check
    12. Sync reports         how the gradients travel, what sharding cannot do, whole tensors from shards
@@ -367,36 +368,6 @@ def all_reduce_sum(d: Dist, values: list[float]) -> list[float]:
 # ----------------------------------------------------------------------------------------------
 
 
-def read_corpus_lines(path: Path) -> list[str]:
-    """One training sample per line, stripped; blank lines are skipped. (Training streams the file
-    into the token cache instead, section 10: this is for a look at a small file.)"""
-    lines = list(text_lines(path))
-    if not lines:
-        raise UsageError(f"corpus file has no non-blank lines: {path}")
-    return lines
-
-
-@dataclass(frozen=True)
-class Examples(Dataset):
-    """Rows as padded tensors, all in memory: a handful of rows to look at (Rows.whole), or your own."""
-
-    inputs: torch.Tensor  # (N, T) int64
-    targets: torch.Tensor  # (N, T) int64, IGNORE_INDEX on padding
-    # (N,) int64: UTF-8 bytes of text the targets spell out (a line's end counts as one byte).
-    # Loss per byte compares models whose tokens differ: a byte-level model and Qwen's BPE.
-    target_bytes: torch.Tensor
-    # (N, T) int64 for packed rows: each example's positions restart at 0 (pack_rows, section 10)
-    positions: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return self.inputs.shape[0]
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
-        if self.positions is None:
-            return self.inputs[i], self.targets[i]
-        return self.inputs[i], self.targets[i], self.positions[i]
-
-
 class Rows(Dataset):
     """Training examples made one row at a time, when a batch asks for it, from flat arrays of
     tokens (read from the token cache, section 10, as batches ask): nothing is ever held padded to
@@ -417,32 +388,6 @@ class Rows(Dataset):
     positions = property(lambda self: self.whole.positions)
 
 
-class FileArray:
-    """A 1-D array kept in a file of the token cache, read a slice at a time when a batch asks.
-
-    Not a memory map: a map keeps every page a batch ever touched in the rank's resident memory
-    (on this machine's kernel each touch maps up to 2 MB around it: 76 held-out rows of a 1 GB
-    corpus took 200 MB), so a long run's memory would grow to the size of the cache. A read
-    holds only the batch."""
-
-    def __init__(self, path: Path, dtype: np.dtype, length: int) -> None:
-        self.path, self.dtype, self.length = path, np.dtype(dtype), length
-        self.file = open(path, "rb")  # noqa: SIM115 (open as long as the run: every batch reads it)
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, key: slice | np.ndarray) -> np.ndarray:
-        if isinstance(key, slice):
-            start, stop, _ = key.indices(self.length)
-            self.file.seek(start * self.dtype.itemsize)
-            return np.frombuffer(self.file.read(max(0, stop - start) * self.dtype.itemsize), self.dtype)
-        key = np.asarray(key)
-        if key.size > self.length // 64:  # most of it: read it whole
-            return np.fromfile(self.path, self.dtype)[key]
-        return np.array([self[i : i + 1][0] for i in key.ravel().tolist()], self.dtype).reshape(key.shape)
-
-
 @dataclass(frozen=True)
 class Lines:
     """A corpus of lines for the byte model, as the one byte stream packed_stream would make of
@@ -450,7 +395,7 @@ class Lines:
     stream[edges[i] + 1 : edges[i + 1]], framed by the newlines at edges[i] and edges[i + 1].
     `chosen` marks the lines this set uses (training or held out), kept in file order."""
 
-    stream: np.ndarray | FileArray  # uint8, in the token cache (section 10) or in memory
+    stream: np.ndarray | FileArray  # uint8, read from the token cache (FileArray, section 10), or in memory
     edges: np.ndarray | FileArray  # (N + 1,) the framing newlines' positions
     key: str  # what the bytes are: the token cache's key, part of the training data's digest
     chosen: np.ndarray | None = None  # bool, one per line; None: every line
@@ -2348,7 +2293,7 @@ def meet_without_deadline(d: Dist, name: str, problem: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# 10. Records: .jsonl schemas, chat templates and assistant-only targets, packing
+# 10. Records: .jsonl schemas, chat templates and assistant-only targets, packing, the token cache
 # ----------------------------------------------------------------------------------------------
 
 
@@ -2510,6 +2455,36 @@ def text_lines(path: Path) -> Iterator[str]:
     for _, block in file_blocks(path):
         kept, _ = clean_lines(block)
         yield from kept.tobytes().decode("utf-8").split("\n")[:-1]
+
+
+def read_corpus_lines(path: Path) -> list[str]:
+    """One training sample per line, stripped; blank lines are skipped. (Training streams the file
+    into the token cache instead, section 10: this is for a look at a small file.)"""
+    lines = list(text_lines(path))
+    if not lines:
+        raise UsageError(f"corpus file has no non-blank lines: {path}")
+    return lines
+
+
+@dataclass(frozen=True)
+class Examples(Dataset):
+    """Rows as padded tensors, all in memory: a handful of rows to look at (Rows.whole, section 3), or your own."""
+
+    inputs: torch.Tensor  # (N, T) int64
+    targets: torch.Tensor  # (N, T) int64, IGNORE_INDEX on padding
+    # (N,) int64: UTF-8 bytes of text the targets spell out (a line's end counts as one byte).
+    # Loss per byte compares models whose tokens differ: a byte-level model and Qwen's BPE.
+    target_bytes: torch.Tensor
+    # (N, T) int64 for packed rows: each example's positions restart at 0 (pack_rows, section 10)
+    positions: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.inputs.shape[0]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        if self.positions is None:
+            return self.inputs[i], self.targets[i]
+        return self.inputs[i], self.targets[i], self.positions[i]
 
 
 def read_records(path: Path, data_format: str, limit: int | None = None) -> tuple[list[Record], str]:
@@ -3246,8 +3221,11 @@ def build_token_corpus(cfg: RunConfig, sink: ArraySink, folder: Path, workers: i
         kinds |= part["kinds"]
         first = first or part["first"]
     records = sink.length("offsets") - 1
+    if not records and cfg.dataset:
+        raise UsageError(f"--dataset {cfg.dataset} has no records")
     if not records:
-        raise UsageError(f"{cfg.dataset or cfg.corpus_file} has no records")
+        what = "records" if is_jsonl(cfg.corpus_file) else "non-blank lines"
+        raise UsageError(f"corpus file has no {what}: {cfg.corpus_file}")
     fmt = first[0] if first else "text"
     return {
         "records": records,
@@ -3350,7 +3328,9 @@ def cache_problem(folder: Path, key: str) -> str | None:
         return f"its meta.json cannot be read ({describe_error(e)})"
     if not isinstance(meta, dict) or meta.get("key") != key or meta.get("format") != CACHE_FORMAT:
         return "its meta.json is not this cache's"
-    for name, fact in meta.get("arrays", {}).items():
+    if not isinstance(meta.get("arrays"), dict):
+        return "its meta.json lists no arrays"
+    for name, fact in meta["arrays"].items():
         path = folder / f"{name}.bin"
         want = fact["length"] * np.dtype(fact["dtype"]).itemsize
         have = path.stat().st_size if path.is_file() else None
@@ -3359,6 +3339,32 @@ def cache_problem(folder: Path, key: str) -> str | None:
         if file_crc32(path) != fact["crc32"]:
             return f"{name}.bin fails its CRC-32 check"
     return None
+
+
+class FileArray:
+    """A 1-D array kept in a file of the token cache, read a slice at a time when a batch asks.
+
+    Not a memory map: a map keeps every page a batch ever touched in the rank's resident memory
+    (on this machine's kernel each touch maps up to 2 MB around it: 76 held-out rows of a 1 GB
+    corpus took 200 MB), so a long run's memory would grow to the size of the cache. A read
+    holds only the batch."""
+
+    def __init__(self, path: Path, dtype: np.dtype, length: int) -> None:
+        self.path, self.dtype, self.length = path, np.dtype(dtype), length
+        self.file = open(path, "rb")  # noqa: SIM115 (open as long as the run: every batch reads it)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, key: slice | np.ndarray) -> np.ndarray:
+        if isinstance(key, slice):
+            start, stop, _ = key.indices(self.length)
+            self.file.seek(start * self.dtype.itemsize)
+            return np.frombuffer(self.file.read(max(0, stop - start) * self.dtype.itemsize), self.dtype)
+        key = np.asarray(key)
+        if key.size > self.length // 64:  # most of it: read it whole
+            return np.fromfile(self.path, self.dtype)[key]
+        return np.array([self[i : i + 1][0] for i in key.ravel().tolist()], self.dtype).reshape(key.shape)
 
 
 READ_AS_NEEDED = ("stream", "edges", "ids", "is_target")  # one entry per token or line: FileArray
