@@ -2544,9 +2544,6 @@ class Reading:
             )
         return replace(record, source=where)
 
-    def describe(self) -> str:
-        return describe_records(self.first[0] if self.first else "text")
-
 
 def in_chunks(items: Iterator, n: int = CHUNK_RECORDS) -> Iterator[list]:
     while chunk := list(itertools.islice(items, n)):
