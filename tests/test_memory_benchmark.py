@@ -23,7 +23,7 @@ def load_memory():
     return module
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(240)
 def test_smoke_run_writes_one_row_per_rank_and_the_figure(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.Popen(
@@ -34,7 +34,8 @@ def test_smoke_run_writes_one_row_per_rank_and_the_figure(tmp_path):
         env=child_env(),
     )
     try:
-        stdout, stderr = proc.communicate(timeout=60)
+        # Generous: 26-34 s alone on the 2-core VM, and over 60 s while a test beside it shares the cores.
+        stdout, stderr = proc.communicate(timeout=180)
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGTERM)  # the benchmark ends its runs' ranks, then itself
         try:
@@ -42,7 +43,7 @@ def test_smoke_run_writes_one_row_per_rank_and_the_figure(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             stdout, stderr = proc.communicate()
-        pytest.fail(f"memory.py --smoke still running after 60 s\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
+        pytest.fail(f"memory.py --smoke still running after 180 s\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
     assert proc.returncode == 0, f"--- stdout\n{stdout}\n--- stderr\n{stderr}"
     assert (out / "memory.png").read_bytes().startswith(b"\x89PNG")
     lines = (out / "memory_results.md").read_text().splitlines()
