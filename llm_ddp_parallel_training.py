@@ -2450,6 +2450,12 @@ def is_jsonl(path: Path) -> bool:
     return path.suffix.lower() in (".jsonl", ".json")
 
 
+def check_text_format(data_format: str, path: Path) -> None:
+    """A file that is not .jsonl is text lines: a record format named for it cannot apply."""
+    if data_format not in ("auto", "text"):
+        raise UsageError(f"--data-format {data_format} needs a .jsonl file; {path} is read as text lines")
+
+
 def text_lines(path: Path) -> Iterator[str]:
     """A text corpus's lines, stripped, blank ones dropped."""
     for _, block in file_blocks(path):
@@ -2492,8 +2498,7 @@ def read_records(path: Path, data_format: str, limit: int | None = None) -> tupl
     few (--show-examples) or a small file of one's own; training streams them into the token cache.
     Any bad record ends the run, naming its line."""
     if not is_jsonl(path):
-        if data_format not in ("auto", "text"):
-            raise UsageError(f"--data-format {data_format} needs a .jsonl file; {path} is read as text lines")
+        check_text_format(data_format, path)
         records = [Record(text=line) for line in itertools.islice(text_lines(path), limit)]
         if not records:
             raise UsageError(f"corpus file has no non-blank lines: {path}")
@@ -2556,8 +2561,7 @@ def record_source(cfg: RunConfig) -> tuple[Reading, Iterator[list]]:
         return Reading("rows", f"--dataset {cfg.dataset}", cfg.data_format, cfg.train_on_prompt), dataset_rows(cfg)
     path = cfg.corpus_file
     if not is_jsonl(path):
-        if cfg.data_format not in ("auto", "text"):
-            raise UsageError(f"--data-format {cfg.data_format} needs a .jsonl file; {path} is read as text lines")
+        check_text_format(cfg.data_format, path)
         return Reading("text", str(path), "text", cfg.train_on_prompt), in_chunks(text_lines(path))
     return Reading("jsonl", str(path), cfg.data_format, cfg.train_on_prompt), in_chunks(json_lines(path))
 
@@ -3239,8 +3243,7 @@ def build_byte_corpus(cfg: RunConfig, sink: ArraySink) -> dict:
     if is_jsonl(path):
         blocks = jsonl_texts(path, cfg.data_format)
     else:
-        if cfg.data_format not in ("auto", "text"):
-            raise UsageError(f"--data-format {cfg.data_format} needs a .jsonl file; {path} is read as text lines")
+        check_text_format(cfg.data_format, path)
         blocks = (clean_lines(block) for _, block in file_blocks(path))
     sink.append("stream", np.array([NEWLINE], dtype=np.uint8))
     sink.append("edges", np.zeros(1, dtype=np.int64))
