@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
+from pathlib import Path
 
+import pytest
 from conftest import REPO
 
 import llm_ddp_parallel_training as t
@@ -50,3 +53,39 @@ def test_help_names_both_paths_and_who_each_is_for():
     help_text = " ".join(t.build_arg_parser().format_help().split())
     assert "byte-level Transformer from scratch" in help_text and "--nproc 2" in help_text
     assert "LoRA adapters on Qwen2.5" in help_text and "--model qwen" in help_text
+
+
+# The command line as users knew it before the parser was generated from RunConfig: every group,
+# flag, alias, default, choice and refusal (tests/interface_snapshot.json, taken from that parser).
+SNAPSHOT = json.loads((REPO / "tests" / "interface_snapshot.json").read_text(encoding="utf-8"))
+
+
+def parser_groups() -> list[dict]:
+    groups = []
+    for group in t.build_arg_parser()._action_groups:
+        rows = []
+        for a in group._group_actions:
+            if a.option_strings[0] == "-h":
+                continue
+            default = "corpus.txt" if a.dest == "corpus_file" else a.default
+            rows.append({"flags": a.option_strings, "default": str(default) if isinstance(default, Path) else default,
+                         "choices": list(a.choices) if a.choices else None, "metavar": a.metavar,
+                         "switch": a.nargs == 0 or isinstance(a, argparse.BooleanOptionalAction)})  # fmt: skip
+        if rows:
+            groups.append({"title": group.title, "flags": rows})
+    return groups
+
+
+def test_the_parser_offers_the_same_flags_in_the_same_groups_with_the_same_defaults_and_choices():
+    assert parser_groups() == SNAPSHOT["groups"]
+
+
+@pytest.mark.parametrize("flag", sorted(SNAPSHOT["refusals"]))
+def test_every_refusal_of_a_bad_value_keeps_its_wording(flag):
+    for value, expected in SNAPSHOT["refusals"][flag].items():
+        if expected is None:
+            t.parse_args([flag, value])
+        else:
+            with pytest.raises(t.UsageError) as refused:
+                t.parse_args([flag, value])
+            assert str(refused.value) == expected, (flag, value)
