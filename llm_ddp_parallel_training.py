@@ -6098,6 +6098,23 @@ def leave_finished() -> None:
     os._exit(0)
 
 
+def report_failure(error: Exception, cfg: RunConfig | None, d: Dist | None) -> int:
+    """Say what ended the run in one line, and return its exit code; an error that is not one of
+    these (a bug) is raised again, for its traceback. `d` is None before the process group exists."""
+    if isinstance(error, UsageError):
+        report_error(str(error))
+        return EXIT_USAGE
+    if isinstance(error, TrainingError):  # before the process group, every rank has its own reason
+        report_error(str(error), every_rank=d is None)
+        return 1
+    if not (d and d.distributed and is_peer_failure(error)):
+        raise error
+    # Not this rank's fault: say so in one line, on every rank (each saw it from its own side);
+    # the failed rank's own error and torchrun's summary say what happened there.
+    report_error(describe_peer_failure(cfg, d, error), every_rank=True, after_peer=True)
+    return 1
+
+
 @record  # a rank's uncaught exception is written where torchrun can show it as the root cause
 def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
@@ -6105,34 +6122,17 @@ def main(argv: list[str] | None = None) -> None:
     # in slow microcode: without this, backward here slowed 1.8x after ~100 steps. Values that
     # small carry nothing a model can learn from. Set before the process group starts its threads.
     torch.set_flush_denormal(True)
+    cfg = d = None
     try:
         cfg = parse_args(argv)
         if cfg.nproc:
             raise SystemExit(launch_local_ranks(cfg, sys.argv[1:] if argv is None else list(argv)))
         d = setup_distributed(cfg)
-    except UsageError as e:
-        report_error(str(e))
-        raise SystemExit(EXIT_USAGE) from None
-    except TrainingError as e:
-        report_error(str(e), every_rank=True)
-        raise SystemExit(1) from None
-    STOP.install()
-    end_with_the_launcher()
-    try:
+        STOP.install()
+        end_with_the_launcher()
         run(cfg, d, started)
-    except UsageError as e:
-        report_error(str(e))
-        raise SystemExit(EXIT_USAGE) from None
-    except TrainingError as e:
-        report_error(str(e))
-        raise SystemExit(1) from None
-    except RuntimeError as e:
-        if not (d.distributed and is_peer_failure(e)):
-            raise
-        # Not this rank's fault: say so in one line, on every rank (each saw it from its own
-        # side); the failed rank's own error and torchrun's summary say what happened there.
-        report_error(describe_peer_failure(cfg, d, e), every_rank=True, after_peer=True)
-        raise SystemExit(1) from None
+    except (UsageError, TrainingError, RuntimeError) as e:
+        raise SystemExit(report_failure(e, cfg, d)) from None
     finally:
         teardown_distributed()
 

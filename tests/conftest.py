@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import re
 import shutil
@@ -31,6 +32,7 @@ class Run:
     stdout: str
     stderr: str
     seconds: float
+    codes: tuple[int, ...] = ()  # every rank's exit code, for a job of a shared launch (run_jobs)
 
     @property
     def output(self) -> str:
@@ -95,6 +97,33 @@ def launch(args: list[str], nproc: int | None = None, timeout: float = 120, env:
     """The script as a user runs it: a plain process (nproc=None) or torchrun with nproc ranks."""
     cmd = [sys.executable, str(SCRIPT), *args] if nproc is None else torchrun_cmd(nproc, args)
     return run_cmd(cmd, timeout, env)
+
+
+def run_jobs(jobs: dict[str, list[str]], nproc: int | None = None, timeout: float = 240) -> dict[str, Run]:
+    """Run many command lines in one launch (tests/worker.py): nproc ranks under torchrun, or one
+    plain process. For tests whose subject is what a run does, not how it was started: each job
+    goes through the script's own parse_args(), run() and error report, as under main(). Returns
+    each job's Run: rank 0's exit code, every rank's in `codes`, every rank's output in rank order."""
+    folder = Path(tempfile.mkdtemp(prefix="jobs-"))
+    try:
+        (folder / "jobs.json").write_text(json.dumps([{"name": n, "args": a} for n, a in jobs.items()]))
+        worker = [str(REPO / "tests" / "worker.py"), str(folder / "jobs.json"), str(folder)]
+        cmd = [sys.executable, *worker] if nproc is None else torchrun_cmd(nproc, worker[1:], script=Path(worker[0]))
+        run = run_cmd(cmd, timeout)
+        assert_ok(run)
+        ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(nproc or 1)]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return {
+        name: Run(
+            ranks[0][name]["returncode"],
+            "".join(rank[name]["stdout"] for rank in ranks),
+            "".join(rank[name]["stderr"] for rank in ranks),
+            run.seconds,
+            tuple(rank[name]["returncode"] for rank in ranks),
+        )
+        for name in jobs
+    }
 
 
 def assert_ok(run: Run) -> None:
