@@ -72,10 +72,11 @@ import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import timedelta
+from difflib import get_close_matches
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -117,88 +118,292 @@ CALLBACK_WRAPPER = "Got the following error when running the callback: RuntimeEr
 
 
 # ----------------------------------------------------------------------------------------------
-# 1. Settings: everything a run is told, in one frozen RunConfig (section 8 fills it from the command line)
+# 1. Settings: everything a run is told, in one frozen RunConfig; each field is also its flag
 # ----------------------------------------------------------------------------------------------
+
+
+def flag(default: object, help: str, group: str | None = None, **reading: object) -> Any:
+    """A setting and its command-line flag, declared once: its default, its --help line, the --help
+    group it opens (the fields after it belong to that group until another opens one), and how
+    argparse reads it (type, choices, metavar, action). Section 8 builds the parser from these."""
+    return field(default=default, metadata={"help": help, "group": group, **reading})
+
+
+@dataclass(frozen=True)
+class Within:
+    """A number a flag accepts, checked as argparse reads it: one check for every numeric flag. A
+    value that passes a sign check can still break far later (a timedelta overflow, a bucket too
+    large to allocate, a seed torch cannot take), so each has its range."""
+
+    kind: type  # int or float
+    low: float
+    high: float = math.inf
+    low_open: bool = False  # the low end itself is refused: "a positive number"
+    high_open: bool = False
+    unit: str = ""
+
+    def __call__(self, text: str) -> int | float:
+        try:
+            value = self.kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {self}, got {text}") from None
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        if not (above and below and math.isfinite(value)):  # also refuses NaN
+            raise argparse.ArgumentTypeError(f"must be {self}, got {value if self.kind is int else text}")
+        return value
+
+    def __str__(self) -> str:
+        if self.high < math.inf:
+            return (
+                f"in [{self.low:g}, {self.high:g})"
+                if self.high_open
+                else f"from {self.low:g} to {self.high:g}{self.unit}"
+            )
+        noun = "integer" if self.kind is int else "number"
+        return f"a positive {noun}" if self.low_open or self.low > 0 else f"zero or a positive {noun}"
+
+
+POSITIVE, COUNT = Within(int, 1), Within(int, 0)  # 1, 2, ...; and 0 (off), 1, 2, ...
+PROBABILITY = Within(float, 0, 1, high_open=True)
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    """--inject-fault RANK:STEP[:KIND]: a teaching and testing aid, never for real runs."""
+
+    rank: int
+    step: int
+    kind: str  # kill: SIGKILL itself; raise: an exception; nan: a NaN loss; desync: a wrong gradient;
+    # save: SIGKILL itself halfway through writing the step's checkpoint; hang: stop answering
+
+    KINDS = ("kill", "raise", "nan", "desync", "save", "hang")
+
+    @classmethod
+    def parse(cls, text: str) -> FaultPlan:
+        parts = text.split(":")
+        try:
+            rank, step = int(parts[0]), int(parts[1])
+        except (ValueError, IndexError):
+            raise argparse.ArgumentTypeError(f"expected RANK:STEP[:KIND], got {text!r}") from None
+        kind = parts[2] if len(parts) > 2 else "kill"
+        if len(parts) > 3 or kind not in cls.KINDS or rank < 0 or step < 1:
+            raise argparse.ArgumentTypeError(f"expected RANK:STEP[:KIND] with KIND one of {', '.join(cls.KINDS)}")
+        return cls(rank, step, kind)
+
+
+def layer_names(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("must name at least one layer, e.g. q_proj,v_proj")
+    return names
+
+
+PRETRAINED_GROUP = "pretrained model (--model hf)"
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Every setting of one run, fixed for its whole life and the same on every rank. parse_args
-    (section 8) fills it from the command line, whose --help explains each field."""
+    """Every setting of one run, fixed for its whole life and the same on every rank. Each field is
+    a flag (--seq-len for seq_len); parse_args (section 8) fills them from the command line. A
+    default of None is decided once the rest is known, as its help says."""
 
-    model: str
-    corpus_file: Path
-    output_dir: Path
-    seed: int
-    seq_len: int
-    pack: bool
-    data_format: str
-    train_on_prompt: bool
-    show_examples: int
-    cache_dir: Path | None  # the token cache's folder (section 10); None: --cache-dir none, in memory
-    dataset: str | None  # --dataset: read with Hugging Face datasets instead of corpus_file
-    dataset_split: str
-    dataset_config: str | None
-    # tiny model shape
-    d_model: int
-    n_heads: int
-    n_layers: int
-    dropout: float
-    # pretrained model (--model hf): LoRA or full fine-tuning
-    model_name_or_path: str
-    lora_r: int
-    lora_alpha: float
-    lora_dropout: float
-    lora_targets: tuple[str, ...]
-    dtype: str
-    attn_implementation: str
-    trust_remote_code: bool
-    gradient_checkpointing: bool
-    finetune: str
-    # optimisation
-    batch_size: int
-    max_steps: int
-    epochs: int
-    lr: float
-    min_lr: float
-    warmup_steps: int
-    weight_decay: float
-    grad_clip: float
-    precision: str
-    tf32: bool
-    # validation and reporting
-    val_fraction: float
-    eval_every: int
-    progress: str
-    metrics_file: Path | None
-    log_every: int
-    plot: bool
-    time_breakdown: bool
-    trace_steps: int
-    # gradients: how they are synchronised, accumulated and normalised
-    ddp: str
-    sharding: str
-    bucket_mb: float
-    grad_accum_steps: int
-    loss_normalization: str
-    optimizer: str
-    grad_compression: str
-    verify_sync: int
-    inspect: bool
-    inject_fault: FaultPlan | None  # --inject-fault RANK:STEP[:KIND] (section 8)
-    # checkpoints and resume
-    save_every: int
-    keep_last: int
-    overwrite: bool
-    resume: str
-    # hardware and process group
-    backend: str
-    cpu: bool
-    timeout_s: float
-    nproc: int
-    # sample
-    prompt: str
-    sample_tokens: int
+    model: str = flag(
+        "tiny",
+        "tiny: a byte-level Transformer from scratch; hf: a pretrained causal LM from the Hugging Face Hub or a "
+        "local folder (--model-name-or-path), LoRA or full fine-tuning; qwen: the same as hf",
+        "run",
+        choices=["tiny", "hf", "qwen"],
+    )
+    corpus_file: Path = flag(
+        DEFAULT_CORPUS, "UTF-8 text, one training sample per line (blank lines skipped), or .jsonl records", type=Path
+    )
+    output_dir: Path = flag(Path("outputs"), "where rank 0 writes", type=Path)
+    seed: int = flag(1337, "init, shuffle and split; dropout adds the rank", type=Within(int, 0, 2**63 - 1))
+    seq_len: int = flag(128, "tokens per example (bytes for tiny)", type=POSITIVE)
+    pack: bool | None = flag(
+        None,
+        "pack examples into full rows (default: on for tiny, off for hf); --no-pack: one padded example per row",
+        action=argparse.BooleanOptionalAction,
+    )
+    data_format: str = flag(
+        "auto",
+        "for a .jsonl corpus: the records' schema (auto: decided from the records)",
+        choices=["auto", "text", "messages", "prompt-completion", "sharegpt", "alpaca"],
+    )
+    train_on_prompt: bool = flag(
+        False, "chat and prompt-completion data: train on every token, not only the replies", action="store_true"
+    )
+    show_examples: int = flag(
+        0, "print the first N records as the model sees them, targets in [[ ]], and exit", type=COUNT, metavar="N"
+    )
+    cache_dir: Path | None = flag(
+        None,
+        "where the corpus is kept tokenized: built once, then read by every rank as batches ask (default: "
+        "$XDG_CACHE_HOME or ~/.cache, then llm_ddp_parallel_training); none: tokenize in memory, for this run only",
+        metavar="DIR",
+    )
+
+    d_model: int = flag(128, "embedding width", "tiny model", type=POSITIVE)
+    n_heads: int = flag(4, "attention heads", type=POSITIVE)
+    n_layers: int = flag(2, "Transformer blocks", type=POSITIVE)
+    dropout: float = flag(0.0, "dropout probability", type=PROBABILITY)
+
+    dataset: str | None = flag(
+        None,
+        "read the records with Hugging Face datasets instead of --corpus-file: a Hub name, a local parquet, JSONL "
+        "or CSV file, or a folder save_to_disk wrote",
+        PRETRAINED_GROUP,
+        metavar="NAME_OR_PATH",
+    )
+    dataset_split: str = flag("train", "the split of --dataset to train on")
+    dataset_config: str | None = flag(None, "the configuration of a Hub --dataset that has several", metavar="NAME")
+    model_name_or_path: str = flag(
+        "Qwen/Qwen2.5-0.5B-Instruct",
+        "pretrained causal LM: hub name or local folder (Qwen2, Llama, Gemma, Mistral, Phi-3, ...)",
+    )
+    lora_r: int = flag(8, "rank of the low-rank update B @ A", type=POSITIVE)
+    lora_alpha: float = flag(16.0, "update scale is alpha / r", type=Within(float, 0, low_open=True))
+    lora_dropout: float = flag(0.05, "dropout on the adapter input", type=PROBABILITY)
+    lora_targets: tuple[str, ...] = flag(
+        ("q_proj", "v_proj"),
+        "linear layers to adapt, comma-separated; all-linear: every linear layer but the output head",
+        type=layer_names,
+    )
+    dtype: str = flag(
+        "auto",
+        "weights dtype; auto: bfloat16 on GPUs that support it, else float32",
+        choices=["auto", "float32", "bfloat16", "float16"],
+    )
+    attn_implementation: str = flag(
+        "sdpa",
+        "attention kernel; flash_attention_2 needs CUDA and the flash-attn package",
+        choices=["sdpa", "flash_attention_2", "eager"],
+    )
+    trust_remote_code: bool = flag(
+        False, "allow model code from the hub (the families transformers knows need none)", action="store_true"
+    )
+    gradient_checkpointing: bool = flag(False, "recompute activations in backward to save memory", action="store_true")
+    finetune: str = flag(
+        "lora",
+        "lora: train adapters only; full: train every weight (needs --sharding full to fit where DDP does not)",
+        choices=["lora", "full"],
+    )
+
+    batch_size: int = flag(8, "examples per rank per step", "optimisation", type=POSITIVE)
+    max_steps: int = flag(
+        None, "optimizer steps, across epochs (default: 600, or no cap when --epochs is given)", type=POSITIVE
+    )
+    epochs: int = flag(
+        0, "passes over the training data; --max-steps still caps (0: --max-steps alone decides)", type=COUNT
+    )
+    lr: float = flag(None, "peak learning rate (default: 3e-3 tiny, 2e-4 hf)", type=Within(float, 0, low_open=True))
+    min_lr: float = flag(None, "end of the cosine decay (default: lr/10)", type=Within(float, 0))
+    warmup_steps: int = flag(20, "linear warmup from 0 to --lr", type=COUNT)
+    weight_decay: float = flag(0.01, "weight decay", type=Within(float, 0))
+    grad_clip: float = flag(1.0, "clip the global gradient norm to this (0: off)", type=Within(float, 0))
+    precision: str = flag(
+        "auto",
+        "autocast: auto is bf16 on GPUs that support it, else fp32; fp16 (GPU only) uses a GradScaler",
+        choices=["auto", "fp32", "bf16", "fp16"],
+    )
+    tf32: bool = flag(True, "TF32 for fp32 matmuls on CUDA GPUs", action=argparse.BooleanOptionalAction)
+
+    val_fraction: float = flag(
+        0.1, "share of lines held out for validation", "validation and reporting", type=PROBABILITY
+    )
+    eval_every: int = flag(100, "steps between evaluations (0: at the end)", type=COUNT)
+    progress: str = flag("auto", "auto: a bar on a terminal, else log lines", choices=["auto", "bar", "plain"])
+    log_every: int = flag(25, "steps between log lines", type=POSITIVE)
+    metrics_file: Path | None = flag(None, "append one JSON object per logged step", type=Path)
+    plot: bool = flag(False, "write OUTPUT_DIR/loss.png at the end (needs matplotlib)", action="store_true")
+    time_breakdown: bool = flag(False, "time data/forward/backward/sync/optimizer in every step", action="store_true")
+    trace_steps: int = flag(
+        0,
+        "record every rank's first N steps to OUTPUT_DIR/trace.json (Perfetto); with --plot, timeline.png",
+        type=COUNT,
+        metavar="N",
+    )
+
+    ddp: str = flag(
+        "torch",
+        "torch's DDP (and ZeroRedundancyOptimizer, fully_shard), or the from-scratch ones",
+        "gradients",
+        choices=["torch", "manual"],
+    )
+    sharding: str = flag(
+        "none",
+        "none: DDP, a whole copy per rank; optimizer: ZeRO-1, optimizer state split across ranks; "
+        "full: FSDP (ZeRO-3), weights, gradients and optimizer state split",
+        choices=["none", "optimizer", "full"],
+    )
+    bucket_mb: float = flag(
+        25.0,
+        "gradient bucket size for the all-reduce, in MiB (torch's bucket_cap_mb)",
+        type=Within(float, 1e-3, 65536, unit=" MiB"),
+    )
+    grad_accum_steps: int = flag(1, "micro-steps per optimizer step (k-1 without sync)", type=POSITIVE)
+    loss_normalization: str = flag(
+        "global-tokens",
+        "exact mean over every token of the global batch, or the biased mean of per-rank means",
+        choices=["global-tokens", "mean-of-means"],
+    )
+    optimizer: str = flag("adamw", "sgd: plain, no momentum", choices=["adamw", "sgd"])
+    grad_compression: str = flag(
+        "none",
+        "bf16: all-reduce gradients as bfloat16, half the bytes (for slow links; rounds each gradient)",
+        choices=["none", "bf16"],
+    )
+    verify_sync: int = flag(
+        0,
+        "every N steps check that all ranks hold identical gradients, weights and optimizer state",
+        type=COUNT,
+        metavar="N",
+    )
+    inspect: bool = flag(False, "report shards, buckets and per-rank gradients", action="store_true")
+    inject_fault: FaultPlan | None = flag(
+        None,
+        "teaching/testing aid: make RANK fail at STEP once; KIND kill (default), raise, nan, desync, save or hang",
+        type=FaultPlan.parse,
+        metavar="RANK:STEP[:KIND]",
+    )
+
+    save_every: int = flag(
+        0,
+        "full training state every N steps and at the end (0: off)",
+        "checkpoints and resume",
+        type=COUNT,
+        metavar="N",
+    )
+    keep_last: int = flag(2, "how many checkpoints to keep", type=POSITIVE, metavar="K")
+    overwrite: bool = flag(False, "replace a finished run's model in OUTPUT_DIR (else: refused)", action="store_true")
+    resume: str = flag(
+        "auto",
+        "auto: continue from the newest complete checkpoint in OUTPUT_DIR/checkpoints, if any",
+        metavar="auto|none|PATH",
+    )
+
+    backend: str = flag(
+        "auto",
+        "auto: NCCL on Linux with CUDA, else Gloo",
+        "hardware and process group",
+        choices=["auto", "gloo", "nccl"],
+    )
+    cpu: bool = flag(False, "train on CPU even if CUDA is available", action="store_true")
+    nproc: int = flag(
+        0,
+        "start N ranks on this machine without torchrun (Windows, macOS, notebooks); 0: off",
+        type=COUNT,
+        metavar="N",
+    )
+    timeout_s: float = flag(
+        300.0,
+        "how long a collective may wait for the other ranks",
+        type=Within(float, 1, 7 * 86400, unit=" seconds"),
+    )
+
+    prompt: str = flag("Each rank", "text the trained model continues", "sample")
+    sample_tokens: int = flag(120, "length of the sample", type=POSITIVE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1688,28 +1893,19 @@ def wrap_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats) -> nn.M
 # ----------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class FaultPlan:
-    """--inject-fault RANK:STEP[:KIND]: a teaching and testing aid, never for real runs."""
-
-    rank: int
-    step: int
-    kind: str  # kill: SIGKILL itself; raise: an exception; nan: a NaN loss; desync: a wrong gradient;
-    # save: SIGKILL itself halfway through writing the step's checkpoint; hang: stop answering
-
-
-FAULT_KINDS = ("kill", "raise", "nan", "desync", "save", "hang")
-
-
 class _Parser(argparse.ArgumentParser):
     def __init__(self, **kwargs: object) -> None:
         # Flag names are an interface: with prefix matching, a typo like --max-step would quietly
         # mean --max-steps while --max-stpes is refused. Every misspelling is refused alike.
         super().__init__(allow_abbrev=False, **kwargs)
 
-    # argparse prints a usage wall and exits; every rank would do it. Raise instead, report once.
+    # argparse prints a usage wall and exits; every rank would do it. Raise instead, report once,
+    # with the flag a typo most likely meant.
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(message)
+        known = [name for action in self._actions for name in action.option_strings]
+        typos = [word.split("=")[0] for word in message.partition("unrecognized arguments: ")[2].split()]
+        meant = [close[0] for typo in typos if typo.startswith("--") and (close := get_close_matches(typo, known, 1))]
+        raise UsageError(message + (f"; did you mean {' or '.join(meant)}?" if meant else ""))
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -1720,73 +1916,6 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be zero or a positive number, got {text}")
-    return value
-
-
-def _bounded(kind: Callable[[str], float], low: float, high: float, unit: str = "") -> Callable[[str], float]:
-    """A number in [low, high]: values that pass a sign check can still break far later (a
-    timedelta overflow, a bucket too large to allocate, a seed torch cannot take)."""
-
-    def parse(text: str) -> float:
-        value = kind(text)
-        if not low <= value <= high:  # also refuses NaN
-            raise argparse.ArgumentTypeError(f"must be from {low:g} to {high:g}{unit}, got {text}")
-        return value
-
-    return parse
-
-
-def _probability(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be zero or a positive integer, got {value}")
-    return value
-
-
-def _fault_plan(text: str) -> FaultPlan:
-    parts = text.split(":")
-    try:
-        rank, step = int(parts[0]), int(parts[1])
-    except (ValueError, IndexError):
-        raise argparse.ArgumentTypeError(f"expected RANK:STEP[:KIND], got {text!r}") from None
-    kind = parts[2] if len(parts) > 2 else "kill"
-    if len(parts) > 3 or kind not in FAULT_KINDS or rank < 0 or step < 1:
-        raise argparse.ArgumentTypeError(f"expected RANK:STEP[:KIND] with KIND one of {', '.join(FAULT_KINDS)}")
-    return FaultPlan(rank, step, kind)
-
-
-def _name_list(text: str) -> tuple[str, ...]:
-    names = tuple(n.strip() for n in text.split(",") if n.strip())
-    if not names:
-        raise argparse.ArgumentTypeError("must name at least one layer, e.g. q_proj,v_proj")
-    return names
-
-
 ALL_LINEAR = "all-linear"  # --lora-targets in PEFT's own spelling: every linear layer but the output head
 
 
@@ -1794,278 +1923,31 @@ ALL_LINEAR = "all-linear"  # --lora-targets in PEFT's own spelling: every linear
 MODEL_ALIASES = {"qwen": "hf"}
 
 
-PRETRAINED_GROUP = "pretrained model (--model hf)"
-
-
 def build_arg_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    """The command line, made from RunConfig's fields (section 1): a flag each, in their groups."""
+    parser = _Parser(
         description="Train a causal language model across processes with DistributedDataParallel: a byte-level "
         "Transformer from scratch (learn DDP on a CPU with --nproc 2), or LoRA adapters on Qwen2.5 or another "
         "pretrained model (--model hf; --model qwen is the same) on your text or chat data, on 1-8 GPUs per machine "
         "and many machines.",
         formatter_class=_HelpFormatter,
     )
-    g = p.add_argument_group("run")
-    g.add_argument(
-        "--model",
-        choices=["tiny", "hf", "qwen"],
-        default="tiny",
-        help="tiny: a byte-level Transformer from scratch; hf: a pretrained causal LM from the Hugging Face "
-        "Hub or a local folder (--model-name-or-path), LoRA or full fine-tuning; qwen: the same as hf",
-    )
-    g.add_argument(
-        "--corpus-file",
-        type=Path,
-        default=DEFAULT_CORPUS,
-        help="UTF-8 text, one training sample per line (blank lines skipped), or .jsonl records",
-    )
-    g.add_argument("--output-dir", type=Path, default=Path("outputs"), help="where rank 0 writes")
-    g.add_argument(
-        "--seed", type=_bounded(int, 0, 2**63 - 1), default=1337, help="init, shuffle and split; dropout adds the rank"
-    )
-
-    g.add_argument("--seq-len", type=_positive_int, default=128, help="tokens per example (bytes for tiny)")
-    g.add_argument(
-        "--pack",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="pack examples into full rows (default: on for tiny, off for hf); --no-pack: one padded example per row",
-    )
-
-    g.add_argument(
-        "--data-format",
-        choices=DATA_FORMATS,
-        default="auto",
-        help="for a .jsonl corpus: the records' schema (auto: decided from the records)",
-    )
-    g.add_argument(
-        "--train-on-prompt",
-        action="store_true",
-        help="chat and prompt-completion data: train on every token, not only the replies",
-    )
-    g.add_argument(
-        "--show-examples",
-        type=_non_negative_int,
-        default=0,
-        metavar="N",
-        help="print the first N records as the model sees them, targets in [[ ]], and exit",
-    )
-    g.add_argument(
-        "--cache-dir",
-        metavar="DIR",
-        help="where the corpus is kept tokenized: built once, then read by every rank as batches ask (default: "
-        "$XDG_CACHE_HOME or ~/.cache, then llm_ddp_parallel_training); none: tokenize in memory, for this run only",
-    )
-
-    g = p.add_argument_group("tiny model")
-    g.add_argument("--d-model", type=_positive_int, default=128, help="embedding width")
-    g.add_argument("--n-heads", type=_positive_int, default=4, help="attention heads")
-    g.add_argument("--n-layers", type=_positive_int, default=2, help="Transformer blocks")
-    g.add_argument("--dropout", type=_probability, default=0.0, help="dropout probability")
-
-    g = p.add_argument_group(PRETRAINED_GROUP)
-    g.add_argument(
-        "--dataset",
-        metavar="NAME_OR_PATH",
-        help="read the records with Hugging Face datasets instead of --corpus-file: a Hub name, a local "
-        "parquet, JSONL or CSV file, or a folder save_to_disk wrote",
-    )
-    g.add_argument("--dataset-split", default="train", help="the split of --dataset to train on")
-    g.add_argument("--dataset-config", metavar="NAME", help="the configuration of a Hub --dataset that has several")
-    g.add_argument(
-        "--model-name-or-path",
-        default="Qwen/Qwen2.5-0.5B-Instruct",
-        help="pretrained causal LM: hub name or local folder (Qwen2, Llama, Gemma, Mistral, Phi-3, ...)",
-    )
-    g.add_argument("--lora-r", type=_positive_int, default=8, help="rank of the low-rank update B @ A")
-    g.add_argument("--lora-alpha", type=_positive_float, default=16.0, help="update scale is alpha / r")
-    g.add_argument("--lora-dropout", type=_probability, default=0.05, help="dropout on the adapter input")
-    g.add_argument(
-        "--lora-targets",
-        type=_name_list,
-        default="q_proj,v_proj",
-        help="linear layers to adapt, comma-separated; all-linear: every linear layer but the output head",
-    )
-    g.add_argument(
-        "--dtype",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        default="auto",
-        help="weights dtype; auto: bfloat16 on GPUs that support it, else float32",
-    )
-    g.add_argument(
-        "--attn-implementation",
-        choices=["sdpa", "flash_attention_2", "eager"],
-        default="sdpa",
-        help="attention kernel; flash_attention_2 needs CUDA and the flash-attn package",
-    )
-    g.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="allow model code from the hub (the families transformers knows need none)",
-    )
-    g.add_argument(
-        "--gradient-checkpointing", action="store_true", help="recompute activations in backward to save memory"
-    )
-    g.add_argument(
-        "--finetune",
-        choices=["lora", "full"],
-        default="lora",
-        help="lora: train adapters only; full: train every weight (needs --sharding full to fit where DDP does not)",
-    )
-
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--batch-size", type=_positive_int, default=8, help="examples per rank per step")
-    g.add_argument(
-        "--max-steps",
-        type=_positive_int,
-        default=None,
-        help="optimizer steps, across epochs (default: 600, or no cap when --epochs is given)",
-    )
-    g.add_argument(
-        "--epochs",
-        type=_non_negative_int,
-        default=0,
-        help="passes over the training data; --max-steps still caps (0: --max-steps alone decides)",
-    )
-    g.add_argument("--lr", type=_positive_float, default=None, help="peak learning rate (default: 3e-3 tiny, 2e-4 hf)")
-    g.add_argument("--min-lr", type=_non_negative_float, default=None, help="end of the cosine decay (default: lr/10)")
-    g.add_argument("--warmup-steps", type=_non_negative_int, default=20, help="linear warmup from 0 to --lr")
-    g.add_argument("--weight-decay", type=_non_negative_float, default=0.01, help="weight decay")
-    g.add_argument(
-        "--grad-clip", type=_non_negative_float, default=1.0, help="clip the global gradient norm to this (0: off)"
-    )
-    g.add_argument(
-        "--precision",
-        choices=["auto", "fp32", "bf16", "fp16"],
-        default="auto",
-        help="autocast: auto is bf16 on GPUs that support it, else fp32; fp16 (GPU only) uses a GradScaler",
-    )
-    g.add_argument(
-        "--tf32", action=argparse.BooleanOptionalAction, default=True, help="TF32 for fp32 matmuls on CUDA GPUs"
-    )
-
-    g = p.add_argument_group("validation and reporting")
-    g.add_argument("--val-fraction", type=_probability, default=0.1, help="share of lines held out for validation")
-    g.add_argument(
-        "--eval-every", type=_non_negative_int, default=100, help="steps between evaluations (0: at the end)"
-    )
-    g.add_argument(
-        "--progress", choices=["auto", "bar", "plain"], default="auto", help="auto: a bar on a terminal, else log lines"
-    )
-    g.add_argument("--log-every", type=_positive_int, default=25, help="steps between log lines")
-    g.add_argument("--metrics-file", type=Path, default=None, help="append one JSON object per logged step")
-    g.add_argument("--plot", action="store_true", help="write OUTPUT_DIR/loss.png at the end (needs matplotlib)")
-    g.add_argument(
-        "--time-breakdown", action="store_true", help="time data/forward/backward/sync/optimizer in every step"
-    )
-    g.add_argument(
-        "--trace-steps",
-        type=_non_negative_int,
-        default=0,
-        metavar="N",
-        help="record every rank's first N steps to OUTPUT_DIR/trace.json (Perfetto); with --plot, timeline.png",
-    )
-
-    g = p.add_argument_group("gradients")
-    g.add_argument(
-        "--ddp",
-        choices=["torch", "manual"],
-        default="torch",
-        help="torch's DDP (and ZeroRedundancyOptimizer, fully_shard), or the from-scratch ones",
-    )
-    g.add_argument(
-        "--sharding",
-        choices=["none", "optimizer", "full"],
-        default="none",
-        help="none: DDP, a whole copy per rank; optimizer: ZeRO-1, optimizer state split across ranks; "
-        "full: FSDP (ZeRO-3), weights, gradients and optimizer state split",
-    )
-    g.add_argument(
-        "--bucket-mb",
-        type=_bounded(float, 1e-3, 65536, " MiB"),
-        default=25.0,
-        help="gradient bucket size for the all-reduce, in MiB (torch's bucket_cap_mb)",
-    )
-    g.add_argument(
-        "--grad-accum-steps", type=_positive_int, default=1, help="micro-steps per optimizer step (k-1 without sync)"
-    )
-    g.add_argument(
-        "--loss-normalization",
-        choices=["global-tokens", "mean-of-means"],
-        default="global-tokens",
-        help="exact mean over every token of the global batch, or the biased mean of per-rank means",
-    )
-    g.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw", help="sgd: plain, no momentum")
-    g.add_argument(
-        "--grad-compression",
-        choices=["none", "bf16"],
-        default="none",
-        help="bf16: all-reduce gradients as bfloat16, half the bytes (for slow links; rounds each gradient)",
-    )
-    g.add_argument(
-        "--verify-sync",
-        type=_non_negative_int,
-        default=0,
-        metavar="N",
-        help="every N steps check that all ranks hold identical gradients, weights and optimizer state",
-    )
-    g.add_argument("--inspect", action="store_true", help="report shards, buckets and per-rank gradients")
-    g.add_argument(
-        "--inject-fault",
-        type=_fault_plan,
-        default=None,
-        metavar="RANK:STEP[:KIND]",
-        help="teaching/testing aid: make RANK fail at STEP once; KIND kill (default), raise, nan, desync, save or hang",
-    )
-
-    g = p.add_argument_group("checkpoints and resume")
-    g.add_argument(
-        "--save-every",
-        type=_non_negative_int,
-        default=0,
-        metavar="N",
-        help="full training state every N steps and at the end (0: off)",
-    )
-    g.add_argument("--keep-last", type=_positive_int, default=2, metavar="K", help="how many checkpoints to keep")
-    g.add_argument(
-        "--overwrite", action="store_true", help="replace a finished run's model in OUTPUT_DIR (else: refused)"
-    )
-    g.add_argument(
-        "--resume",
-        default="auto",
-        metavar="auto|none|PATH",
-        help="auto: continue from the newest complete checkpoint in OUTPUT_DIR/checkpoints, if any",
-    )
-
-    g = p.add_argument_group("hardware and process group")
-    g.add_argument(
-        "--backend", choices=["auto", "gloo", "nccl"], default="auto", help="auto: NCCL on Linux with CUDA, else Gloo"
-    )
-    g.add_argument("--cpu", action="store_true", help="train on CPU even if CUDA is available")
-    g.add_argument(
-        "--nproc",
-        type=_non_negative_int,
-        default=0,
-        metavar="N",
-        help="start N ranks on this machine without torchrun (Windows, macOS, notebooks); 0: off",
-    )
-    g.add_argument(
-        "--timeout-s",
-        type=_bounded(float, 1, 7 * 86400, " seconds"),
-        default=300.0,
-        help="how long a collective may wait for the other ranks",
-    )
-
-    g = p.add_argument_group("sample")
-    g.add_argument("--prompt", default="Each rank", help="text the trained model continues")
-    g.add_argument("--sample-tokens", type=_positive_int, default=120, help="length of the sample")
-    return p
+    group = parser
+    for setting in fields(RunConfig):
+        reading = dict(setting.metadata)
+        help_line, title = reading.pop("help"), reading.pop("group")
+        group = parser.add_argument_group(title) if title else group
+        default = ",".join(setting.default) if isinstance(setting.default, tuple) else setting.default
+        group.add_argument("--" + setting.name.replace("_", "-"), default=default, help=help_line, **reading)
+    return parser
 
 
 def parse_args(argv: list[str] | None = None) -> RunConfig:
-    args = build_arg_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_arg_parser()
+    args = parser.parse_args(argv)
     args.model = MODEL_ALIASES.get(args.model, args.model)
-    if args.model == "tiny" and (given := pretrained_flags_given(argv)):
+    if args.model == "tiny" and (given := pretrained_flags_given(parser, argv, args)):
         is_, it = ("is", "it") if len(given) == 1 else ("are", "them")
         raise UsageError(
             f"{' and '.join([', '.join(given[:-1]), given[-1]] if len(given) > 1 else given)} {is_} for a "
@@ -2104,23 +1986,20 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     return cfg
 
 
-def pretrained_flags_given(argv: list[str] | None) -> list[str]:
-    """The flags of the pretrained-model group that the command line sets (its defaults do not count)."""
-    parser = build_arg_parser()
+def pretrained_flags_given(parser: argparse.ArgumentParser, argv: list[str], args: argparse.Namespace) -> list[str]:
+    """The flags of the pretrained-model group that the command line spells out (a default does not count)."""
+    spelt = {word.split("=", 1)[0] for word in argv if word.startswith("--")}
     group = next(g for g in parser._action_groups if g.title == PRETRAINED_GROUP)
-    for action in parser._actions:  # what argument_default=SUPPRESS does: unset flags stay out of the result
-        action.default = argparse.SUPPRESS
-    given = vars(parser.parse_args(argv))
 
     def spelled(a: argparse.Action) -> str:
-        value = given[a.dest]
+        value = getattr(args, a.dest)
         if isinstance(value, bool):
             return a.option_strings[0]
         if isinstance(value, tuple):
             value = ",".join(value)
         return f"{a.option_strings[0]} {format(value, 'g') if isinstance(value, float) else value}"
 
-    return [spelled(a) for a in group._group_actions if a.dest in given]
+    return [spelled(a) for a in group._group_actions if spelt & set(a.option_strings)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2300,9 +2179,6 @@ def meet_without_deadline(d: Dist, name: str, problem: str) -> str:
 # The corpus file: a .txt file holds one text sample per line; a .jsonl file holds one JSON
 # record per line, in one of the schemas fine-tuning users bring (TRL's, ShareGPT, Alpaca).
 # Every record becomes text, a conversation, or a prompt with its completion.
-
-DATA_FORMATS = ("auto", "text", "messages", "prompt-completion", "sharegpt", "alpaca")
-
 
 ROLES = ("system", "user", "assistant")
 

@@ -89,3 +89,11 @@ def test_every_refusal_of_a_bad_value_keeps_its_wording(flag):
             with pytest.raises(t.UsageError) as refused:
                 t.parse_args([flag, value])
             assert str(refused.value) == expected, (flag, value)
+
+
+def test_a_misspelt_flag_is_refused_with_the_flag_it_most_likely_meant():
+    for typo in ("--max-step", "--max-stpes"):
+        with pytest.raises(t.UsageError, match=f"unrecognized arguments: {typo} 3; did you mean --max-steps\\?$"):
+            t.parse_args([typo, "3"])
+    with pytest.raises(t.UsageError, match=r"unrecognized arguments: --bogus$"):  # nothing close: no guess
+        t.parse_args(["--bogus"])
