@@ -1079,15 +1079,93 @@ class CommStats:
         return calls, nbytes
 
 
+class Replicas:
+    """What a model wrapper answers for the rest of the script, which never asks what kind of model
+    it holds: here, as every rank holding all the weights answers (one process, DDP, ZeRO-1's
+    weights). The sharded wrappers of section 7 answer otherwise; the work is in section 12."""
+
+    gathers_in_forward = False  # a forward is a collective every rank must join (FSDP)
+
+    def finish_gradient_sync(self) -> None:
+        """Wait for the gradient sync: torch's DDP already did, inside backward()."""
+
+    def clip_gradients(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        """The norm of the whole synchronised gradient, identical on every rank; clipped to max_norm
+        when set. Identical norms clip identically: the replicas stay identical."""
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        if max_norm:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
+
+    def rank0_state(self, d: Dist, named_params: list, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """The trained weights and the optimizer state, whole, on rank 0 ({} elsewhere): a collective."""
+        return {n: p.detach().cpu() for n, p in named_params} if d.is_main else {}, rank0_optimizer_state(d, optimizer)
+
+    def load_state(self, named_params: list, weights: dict, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Take a whole state, from a checkpoint of any layout: each rank keeps what it holds."""
+        with torch.no_grad():
+            for name, p in named_params:
+                p.copy_(weights[name])
+        load_optimizer_state(optimizer, state)
+
+    def whole_state_dict(self, d: Dist, raw: nn.Module) -> dict | None:
+        """raw.state_dict() whole on rank 0, for the final save (a collective); None: rank 0 holds it."""
+        return None
+
+    def replicated(self, named_params: list, optimizer: torch.optim.Optimizer | None = None) -> list:
+        """(name, tensor) that every rank must hold bit for bit (--verify-sync): the averaged gradients,
+        or, given the optimizer, the weights and its state (a ZeRO-1 rank holds its own share only)."""
+        if optimizer is None:
+            return [(f"grad of {n}", p.grad) for n, p in named_params if p.grad is not None]
+        state = [] if holds_a_share(optimizer) else optimizer_state_tensors(named_params, optimizer)
+        return [(n, p.detach()) for n, p in named_params] + [(name, t) for name, _, t in state]
+
+    def ownership(self, named_params: list, optimizer: torch.optim.Optimizer) -> list[str]:
+        """What this rank alone keeps (--inspect): under ZeRO-1, whose optimizer state."""
+        return describe_optimizer_share(named_params, optimizer) if holds_a_share(optimizer) else []
+
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        """Gradient memory beyond the parameters' .grad (the memory table)."""
+        return []
+
+    def after_evaluation(self) -> None:
+        """A forward without backward has run (the held-out loss)."""
+
+
+class TorchDDP(DDP, Replicas):
+    """torch's DistributedDataParallel, answering as every replicated model does."""
+
+
+class Wrapper(Replicas, nn.Module):
+    """The wrapped module and no_sync() for accumulation: the from-scratch wrappers' base, and on
+    its own one plain process's, which has nothing to synchronise."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self.require_sync = True  # False inside no_sync(): gradients accumulate, nothing travels
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.require_sync = False
+        try:
+            yield
+        finally:
+            self.require_sync = True
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        return self.module(*args, **kwargs)
+
+
 def wrap_data_parallel(model: nn.Module, cfg: RunConfig, d: Dist, stats: CommStats) -> nn.Module:
     if not d.distributed:
-        return model  # one plain process: nothing to synchronise
+        return Wrapper(model)  # one plain process: nothing to synchronise
     if cfg.ddp == "manual":
         return ManualDDP(model, d, cfg.bucket_mb, stats)
     # torch's DDP broadcasts rank 0's parameters to all ranks now, then hooks every parameter:
     # during backward, finished gradients fill buckets that are all-reduced (averaged) while the
     # rest of backward still runs, so every rank ends the step with the same gradient.
-    ddp = DDP(
+    ddp = TorchDDP(
         model,
         device_ids=[d.device.index] if d.device.type == "cuda" else None,
         bucket_cap_mb=cfg.bucket_mb,
@@ -1127,19 +1205,6 @@ def counting_allreduce_hook(stats, bucket):  # no annotations: DDP checks them, 
     return stats.traced(future, bucket.index(), wire_bytes, wire_dtype)
 
 
-def no_sync(model: nn.Module) -> contextlib.AbstractContextManager:
-    """Skip the all-reduce for this forward+backward: gradients just accumulate locally."""
-    if hasattr(model, "set_requires_gradient_sync"):  # torch's fully_shard
-        return fsdp_no_sync(model)
-    return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
-
-
-def finish_gradient_sync(model: nn.Module) -> None:
-    # torch's DDP and fully_shard have already waited inside backward(); the manual wrappers wait here.
-    if isinstance(model, (ManualDDP, ManualFSDP)):
-        model.finish_gradient_sync()
-
-
 @dataclass(eq=False)
 class Bucket:
     index: int
@@ -1151,27 +1216,7 @@ class Bucket:
     wire: torch.Tensor | None = None  # what travels: flat itself, or its bf16 copy
 
 
-class WrapperThatSyncs(nn.Module):
-    """What ManualDDP and ManualFSDP share: the wrapped module, and no_sync() for accumulation."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-        self.require_sync = True  # False inside no_sync(): gradients accumulate, nothing travels
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        self.require_sync = False
-        try:
-            yield
-        finally:
-            self.require_sync = True
-
-    def forward(self, *args: object, **kwargs: object) -> object:
-        return self.module(*args, **kwargs)
-
-
-class ManualDDP(WrapperThatSyncs):
+class ManualDDP(Wrapper):
     """Data parallelism from scratch: what torch's DDP does for us, in plain Python.
 
     1. Start equal: broadcast rank 0's parameters and buffers to every rank.
@@ -1248,6 +1293,9 @@ class ManualDDP(WrapperThatSyncs):
                 p.grad.copy_(bucket.flat[offset : offset + p.numel()].view_as(p))
             bucket.ready, bucket.arrival, bucket.wire = 0, None, None
 
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        return [bucket.flat for bucket in self.buckets]  # a second copy of the gradients (torch's .grad is a view)
+
 
 # ----------------------------------------------------------------------------------------------
 # 6. Train: one loop for every model: forward, backward, sync, clip, step
@@ -1312,16 +1360,22 @@ def make_optimizer(cfg: RunConfig, d: Dist, params: list[nn.Parameter]) -> torch
     return kind(params, **options)
 
 
-def clip_gradients(model: nn.Module, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """The norm of the whole synchronised gradient, identical on every rank; clipped to max_norm
-    when set. Under sharding the norm adds up every rank's shard, so clipping agrees everywhere."""
-    if isinstance(model, ManualFSDP):
-        norm = model.gradient_norm()
-    else:  # under fully_shard a DTensor, replicated: torch sums the shards' squares across ranks
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    if max_norm:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    optimizer.load_state_dict(state)  # ShardedOptimizer and ZeroRedundancyOptimizer keep their own share
+    # torch's ZeroRedundancyOptimizer moves every 0-d state tensor (Adam's step) to the CPU as it
+    # loads (torch 2.13), and the fused and capturable kernels refuse a step that is not on its
+    # parameter's device (pytorch#124133): put it where a step() would have kept it.
+    inner = getattr(optimizer, "optim", optimizer)
+    if inner.defaults.get("fused") or inner.defaults.get("capturable"):
+        for p, s in inner.state.items():
+            if torch.is_tensor(s.get("step")):
+                s["step"] = s["step"].to(p.device, torch.float32)
+
+
+def holds_a_share(optimizer: torch.optim.Optimizer) -> bool:
+    """ZeRO-1 (ShardedOptimizer, torch's ZeroRedundancyOptimizer): each rank's inner optimizer holds
+    the state of its own parameters only."""
+    return hasattr(optimizer, "optim")
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
@@ -1357,81 +1411,60 @@ class TrainResult:
 
 def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings: dict) -> TrainResult:
     """The loop: each rank's slice, one small all-reduce before backward, k-1 micro-steps in no_sync,
-    backward (the bucket all-reduces), finish_gradient_sync, clip, step. The rest is side work from
-    below the banner: timeline (section 13), faults, timers (14), reports (15), checkpoints (16)."""
+    backward (the bucket all-reduces), finish_gradient_sync, clip, step. Around it, at fixed points,
+    the side work of section 14 (timers, faults, checks), the reports of 15, the checkpoints of 16."""
     loader, sampler = make_train_loader(kit.train, cfg, d)
-    named_params = [(n, p) for n, p in kit.model.named_parameters() if p.requires_grad]
-    stats = CommStats(named_params, compress=cfg.grad_compression == "bf16")
-    first_step = resume["progress"]["step"] if resume else 0
-    stats.timeline = timeline = start_timeline(cfg, d, [p for _, p in named_params], first_step)
-    offsets = clock_offsets(d) if timeline else []
-    predicted = predict_memory(cfg, d, kit)  # from the whole model, before any sharding
+    stats = CommStats(trainable_parameters(kit.model), compress=cfg.grad_compression == "bf16")
+    side = SideWork(cfg, d, kit, stats, resume["progress"]["step"] if resume else 0)  # its hooks run first
     model = wrap_model(kit, cfg, d, stats)
-    # Looked up again: torch's fully_shard replaces every parameter by a sharded one.
-    named_params = [(n, p) for n, p in kit.model.named_parameters() if p.requires_grad]
+    named_params = trainable_parameters(kit.model)  # again: torch's fully_shard replaces every parameter
     params = [p for _, p in named_params]
     optimizer = make_optimizer(cfg, d, params)
     precision = choose_precision(cfg, d)
     # fp16 needs loss scaling: small gradients would underflow to zero. bf16 has fp32's range.
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
-    progress = apply_resume_state(resume, model, named_params, optimizer, scaler, d) if resume else Progress()
-    k = cfg.grad_accum_steps
-    steps_per_epoch = len(loader) // k
+    progress = resume_training(resume, model, named_params, optimizer, scaler, d) if resume else Progress()
+    k, steps_per_epoch = cfg.grad_accum_steps, len(loader) // cfg.grad_accum_steps
     announce_run(cfg, d, sampler, steps_per_epoch, precision, model, optimizer, named_params)
-
     saver = StateSaver(cfg, d, settings, progress.step if resume else None)
     reporter = Reporter(cfg, d, kit, progress, precision)
-    timer = PhaseTimer(cfg.time_breakdown, d.device, timeline)
     model.train()
     stream = steps_from(loader, sampler, k, progress.step)
     stopped_by = None
     while progress.step < cfg.max_steps:
         step = progress.step + 1
-        t_step = timer.start(step)
-        fault = fault_at_step(cfg, d, step)  # --inject-fault: a teaching aid; None in real runs
+        started = side.begin_step(step)
         cpu_batches = next(stream)
         # Count target tokens while the batch is still on the CPU: on a GPU it would be a sync.
         micro_tokens = [int((batch[1] != IGNORE_INDEX).sum()) for batch in cpu_batches]
         micro_batches = [tuple(t.to(d.device, non_blocking=True) for t in batch) for batch in cpu_batches]
-        timer.mark("data")
+        side.mark("data")
         # One small all-reduce before any backward carries the facts every rank must share: the
-        # global token count the loss divides by, whether any rank was asked to stop, and
-        # whether rank 0's last metrics write failed.
-        global_tokens, stop_votes, failed = all_reduce_sum(
-            d,
-            [sum(micro_tokens), STOP.signal is not None, reporter.failure is not None],  # STOP: section 14
-        )
+        # global token count the loss divides by, whether any rank was asked to stop (STOP, section
+        # 14), and whether rank 0's last metrics write failed.
+        asked = [sum(micro_tokens), STOP.signal is not None, reporter.failure is not None]
+        global_tokens, stop_votes, failed = all_reduce_sum(d, asked)
         if failed:
             reporter.share_failure()
         if stop_votes:
             stopped_by = signal.Signals(STOP.signal).name if STOP.signal else "another rank's signal"
             break
-        timer.mark("sync")
-        inspecting = cfg.inspect and step <= INSPECT_STEPS
-        stats.local_grads = {} if inspecting else None
+        side.mark("sync")
         lr = set_learning_rate(optimizer, lr_at(cfg, step))
-
         loss_sum = torch.zeros((), device=d.device)
         for i, (inputs, targets, *positions) in enumerate(micro_batches):
             # The first k-1 micro-steps run forward *and* backward inside no_sync(): gradients
             # accumulate in .grad with no communication; the last one all-reduces the sum.
-            with no_sync(model) if i < k - 1 else contextlib.nullcontext():
+            with model.no_sync() if i < k - 1 else contextlib.nullcontext():
                 with autocast_for(precision, d):
-                    micro_loss = kit.loss(model, inputs, targets, *positions)
-                if fault == "nan":
-                    micro_loss = micro_loss * float("nan")
-                timer.mark("forward")
+                    micro_loss = side.loss(kit.loss(model, inputs, targets, *positions))
+                side.mark("forward")
                 scaled = micro_loss * loss_scale(cfg, d, micro_tokens[i], global_tokens)
                 (scaler.scale(scaled) if scaler else scaled).backward()
-                timer.mark("backward")
+                side.mark("backward")
             loss_sum += micro_loss.detach()
-        finish_gradient_sync(model)
-        calls, nbytes = stats.end_step()
-        if fault == "desync":  # pretend this rank's gradient sync silently went wrong
-            named_params[0][1].grad.add_(1e-3)
-        if step == 1:
-            check_gradients_arrived(kit.model, d)
-
+        model.finish_gradient_sync()
+        sent = stats.end_step()
         # Each rank's loss covers its own shard; the sum over ranks, divided by the global
         # token count, is the loss of the global batch: the number the update follows.
         local_loss_sum = loss_sum.clone()
@@ -1439,36 +1472,32 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
             dist.all_reduce(loss_sum)  # on the device: nothing is read back yet
         if scaler:
             scaler.unscale_(optimizer)  # clip and report the true gradient, not the scaled one
-        if inspecting:  # the averaged gradient as the all-reduce left it, before any clipping
-            report_inspect_step(cfg, d, step, stats, (calls, nbytes), named_params, local_loss_sum.item(), micro_tokens)
-        # The norm of the *synchronised* gradient: identical on every rank, so clipping keeps
-        # the replicas identical too.
-        norm = clip_gradients(model, params, cfg.grad_clip)
+        side.gradients_synced(step, named_params, sent, local_loss_sum, micro_tokens)
+        norm = model.clip_gradients(params, cfg.grad_clip)
         # The step's one read from the device (on a GPU, a wait for it): the guard below must
         # know before the update whether the loss and gradient are finite.
         global_loss_sum, grad_norm = torch.stack([loss_sum.float(), norm.float()]).tolist()
         loss = global_loss_sum / global_tokens
-        timer.mark("sync")
+        side.mark("sync")
         # With fp16 an overflowing gradient is routine: the scaler skips that step and lowers
         # its scale, identically on every rank. Anything else non-finite stops the run.
         if not math.isfinite(loss) or (not math.isfinite(grad_norm) and scaler is None):
             raise_non_finite(d, step, loss, grad_norm, local_loss_sum.item())
-        if verifying := cfg.verify_sync and step % cfg.verify_sync == 0:
-            verify_replicas_agree(d, step, "after the gradient all-reduce", trainable_grads(model, named_params))
+        side.before_update(step, model, named_params)
         optimizer_step(optimizer, scaler)
-        timer.mark("optimizer")
-        if verifying:
-            state = params_and_optimizer_state(model, named_params, optimizer)
-            verify_replicas_agree(d, step, "after the optimizer step", state)
-        timer.end_step()
-
-        step_seconds = time.perf_counter() - t_step
-        progress.step = step
-        progress.tokens_seen += int(global_tokens)
-        val = evaluate(cfg, d, kit, precision) if evaluation_due(cfg, kit, step) else {}
-        metrics = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, **val}
-        metrics |= sent_in_buckets(cfg, d, calls, nbytes)
-        reporter.step_done(metrics, int(global_tokens), step_seconds, steps_per_epoch, timer)
+        side.after_update(step, model, named_params, optimizer)
+        step_seconds = time.perf_counter() - started
+        progress.step, progress.tokens_seen = step, progress.tokens_seen + int(global_tokens)
+        val = evaluate(cfg, d, kit, model, precision) if evaluation_due(cfg, kit, step) else {}
+        metrics = {
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            **val,
+            **sent_in_buckets(cfg, d, *sent),
+        }
+        reporter.step_done(metrics, int(global_tokens), step_seconds, steps_per_epoch, side.timer)
         if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.max_steps):
             saver.save(model, named_params, optimizer, scaler, progress)
     if all_reduce_sum(d, [reporter.failure is not None])[0]:  # the last step's write, which no vote followed
@@ -1476,9 +1505,12 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
     if stopped_by:
         saver.save(model, named_params, optimizer, scaler, progress)
     reporter.close()
-    trace = collect_trace(d, timeline, offsets) if timeline else []
-    memory = measure_memory(d, kit, model, optimizer, predicted)
+    trace, memory = side.finish(model, optimizer)
     return TrainResult(progress, reporter.tokens, reporter.seconds, stopped_by, trace, model, memory)
+
+
+def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1604,7 +1636,7 @@ class Unit:
     settled: list[tuple[nn.Parameter, torch.Tensor]] = field(default_factory=list)  # averaged shard gradients
 
 
-class ManualFSDP(WrapperThatSyncs):
+class ManualFSDP(Wrapper):
     """FSDP (ZeRO stage 3) from scratch: each rank stores 1/N of every weight, gradient and moment.
 
     A *unit* is a module whose parameters are made whole together. For each parameter p of a unit:
@@ -1623,10 +1655,20 @@ class ManualFSDP(WrapperThatSyncs):
     6. finish_gradient_sync(): wait for the reduce-scatters and divide by N: p.grad is the
        averaged gradient of p's shard, shaped like p.data.
     Parameters outside every unit stay whole on every rank; their gradients are averaged as DDP does.
+    With param_dtype (bfloat16, say) the weights compute in it, gathered so and with each unit's
+    inputs cast, as torch's fully_shard with a MixedPrecisionPolicy; the shards, every gradient and
+    its sum over micro-steps stay in the shards' dtype (float32).
     """
 
+    gathers_in_forward = True
+
     def __init__(
-        self, module: nn.Module, d: Dist, units: list[nn.Module], param_dtype: torch.dtype | None = None
+        self,
+        module: nn.Module,
+        d: Dist,
+        units: list[nn.Module],
+        param_dtype: torch.dtype | None = None,
+        timeline: Timeline | None = None,  # --trace-steps: each all-gather and reduce-scatter becomes a span
     ) -> None:
         super().__init__(module)
         self.world, self.rank, self.param_dtype = d.world_size, d.rank, param_dtype
@@ -1646,8 +1688,13 @@ class ManualFSDP(WrapperThatSyncs):
         self.forward_order: list[Unit] = []  # learned in the first step; prefetch follows it
         self.finish_order: list[Unit] = []  # units in the order their forwards end: backward runs it in reverse
         self.order_known = False
-        self.gloo = dist.get_backend() == "gloo"
-        self.timeline: Timeline | None = None  # --trace-steps: each all-gather and reduce-scatter becomes a span
+        self.gloo, self.timeline = dist.get_backend() == "gloo", timeline
+        self.master: dict[nn.Parameter, torch.Tensor] = {}  # a replicated weight's own, while it computes cast
+        if param_dtype is not None and self.replicated:
+            module.register_forward_pre_hook(self._cast_replicated)
+            module.register_forward_hook(self._after_root_forward)
+            for p in self.replicated:
+                p.register_post_accumulate_grad_hook(self._uncast_replicated)
         for unit in self.units:
             for p in unit.params:
                 p.data = self.shard[p]
@@ -1704,6 +1751,8 @@ class ManualFSDP(WrapperThatSyncs):
             self.forward_order.append(unit)
         self._gather(unit)
         self._prefetch(self.forward_order, unit, +1)
+        if self.param_dtype is not None:  # a unit computes in param_dtype whatever dtype reaches it
+            args = tuple(a.to(self.param_dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
         if not torch.is_grad_enabled() or not any(torch.is_tensor(a) and a.requires_grad for a in args):
             return args  # no backward will pass here (the root's inputs are token ids): reshard at the end
         # The gradient reaches the unit's inputs last of all its backward: then it can be freed.
@@ -1722,16 +1771,35 @@ class ManualFSDP(WrapperThatSyncs):
         self._gather(unit)
         self._prefetch(self.finish_order, unit, -1)
 
+    def _cast_replicated(self, module: nn.Module, args: tuple) -> None:
+        for p in self.replicated:
+            if p not in self.master:
+                self.master[p], p.data = p.data, p.data.to(self.param_dtype)
+
+    def _after_root_forward(self, module: nn.Module, args: tuple, output: object) -> None:
+        if not torch.is_grad_enabled():  # no backward will come for the cast weights (evaluation)
+            self._uncast_replicated()
+
+    @torch.no_grad()
+    def _uncast_replicated(self, p: nn.Parameter | None = None) -> None:
+        """Its gradient has arrived (in param_dtype): the weight is its own again, and the gradient
+        kept in that dtype, where the next micro-step's adds to it. (None: every weight still cast.)"""
+        for q in [p] if p is not None else list(self.master):
+            q.data = self.master.pop(q)
+            if q.grad is not None:
+                q.grad = q.grad.to(q.dtype)
+
     @torch.no_grad()
     def _gradient_ready(self, unit: Unit, p: nn.Parameter) -> None:
-        grad = p.grad if p not in self.held else self.held.pop(p) + p.grad
+        grad = p.grad.to(self.shard[p].dtype)  # summed in the master dtype (fp32), not param_dtype
+        grad = self.held.pop(p).add_(grad) if p in self.held else grad
         p.grad = None  # the whole gradient leaves .grad: only the shard's will come back there
         if not self.require_sync:  # inside no_sync(): keep the whole gradient until the last micro-step
             self.held[p] = grad
             return
         unit.arrived.add(p)
         shard = self.shard[p]
-        padded = grad.reshape(-1).to(shard.dtype)  # summed in the master dtype (fp32), not param_dtype
+        padded = grad.reshape(-1)
         if padded.numel() < shard.numel() * self.world:
             padded = F.pad(padded, (0, shard.numel() * self.world - padded.numel()))
         if self.gloo:  # Gloo has no reduce-scatter of its own: torch runs this all-reduce and keeps
@@ -1763,6 +1831,7 @@ class ManualFSDP(WrapperThatSyncs):
 
     def finish_gradient_sync(self) -> None:
         self.order_known = True
+        self._uncast_replicated()  # a weight that got no gradient
         replicated = [dist.all_reduce(p.grad, async_op=True) for p in self.replicated if p.grad is not None]
         for unit in self.units:
             if len(unit.arrived) < len(unit.trainable):
@@ -1780,15 +1849,18 @@ class ManualFSDP(WrapperThatSyncs):
             if p.grad is not None:
                 p.grad.div_(self.world)
 
-    def gradient_norm(self) -> torch.Tensor:
+    def clip_gradients(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
         """The 2-norm of the whole averaged gradient: each rank adds the squares of its shards
         (the padding is zero), rank 0 those of the replicated parameters; one all-reduce sums them."""
         grads = [p.grad for unit in self.units for p in unit.trainable if p.grad is not None]
         grads += [p.grad for p in self.replicated if p.grad is not None and self.rank == 0]
         device = next(self.module.parameters()).device
-        total = sum((g.float().square().sum() for g in grads), torch.zeros((), device=device))
-        dist.all_reduce(total)
-        return total.sqrt()
+        norm = sum((g.float().square().sum() for g in grads), torch.zeros((), device=device))
+        dist.all_reduce(norm)
+        norm = norm.sqrt()
+        if max_norm:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
 
     def whole(self, p: nn.Parameter, shard: torch.Tensor | None = None) -> torch.Tensor:
         """The whole of p (or of a tensor cut like p, such as its Adam moment), in the master dtype.
@@ -1803,6 +1875,54 @@ class ManualFSDP(WrapperThatSyncs):
     def cut(self, p: nn.Parameter, whole: torch.Tensor) -> torch.Tensor:
         """This rank's piece of a whole tensor shaped like p (to load a checkpoint into shards)."""
         return self._cut(whole.to(self.shard[p].device)) if p in self.shard else whole
+
+    def whole_of(self, p: nn.Parameter, t: torch.Tensor) -> torch.Tensor:
+        """whole(), for any tensor of p's state: a 0-d one (Adam's step count) is never cut."""
+        return self.whole(p, t) if t.dim() else t
+
+    def rank0_state(self, d: Dist, named_params: list, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        weights = {n: self.whole(p) for n, p in named_params}
+        state = optimizer.state_dict()  # its tensors are cut like their parameters: each is gathered
+        params = [p for _, p in named_params]
+        moments = {i: {k: self.whole_of(params[i], v) if torch.is_tensor(v) else v for k, v in s.items()}
+                   for i, s in state["state"].items()}  # fmt: skip
+        if not d.is_main:
+            return {}, {}
+        return to_cpu(weights), to_cpu({**state, "state": moments})
+
+    def load_state(self, named_params: list, weights: dict, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        params = [p for _, p in named_params]
+        with torch.no_grad():
+            for name, p in named_params:
+                p.copy_(self.cut(p, weights[name]))
+        moments = {i: {k: self.cut(params[i], v) if torch.is_tensor(v) and v.dim() else v for k, v in s.items()}
+                   for i, s in state["state"].items()}  # fmt: skip
+        load_optimizer_state(optimizer, {**state, "state": moments})
+
+    def whole_state_dict(self, d: Dist, raw: nn.Module) -> dict | None:
+        whole: dict[int, torch.Tensor] = {}  # by tensor: tied weights stay one tensor
+        state = {name: whole.setdefault(id(t), self.whole(t)) for name, t in raw.state_dict(keep_vars=True).items()}
+        return to_cpu(state) if d.is_main else None
+
+    def replicated(self, named_params: list, optimizer: torch.optim.Optimizer | None = None) -> list:
+        """Only the replicated parameters' gradients are alike on every rank; the weights and the
+        optimizer state are gathered whole (a collective): equal everywhere unless the gather itself
+        is broken, which is all this can check here, as no rank holds a copy of another's shard."""
+        if optimizer is None:
+            return [(f"grad of {n}", p.grad) for n, p in named_params if p.grad is not None and p not in self.shard]
+        state = [(name, self.whole_of(p, t)) for name, p, t in optimizer_state_tensors(named_params, optimizer)]
+        return [(n, self.whole(p)) for n, p in named_params] + state
+
+    def ownership(self, named_params: list, optimizer: torch.optim.Optimizer) -> list[str]:
+        lines = []
+        for n, p in named_params[:4]:
+            size, whole = p.numel(), math.prod(self.shape.get(p, p.shape))
+            start = self.rank * size if p in self.shard else 0
+            lines.append(f"{n}: elements [{start:,}, {min(start + size, whole):,}) of {whole:,}, flattened")
+        return [
+            *lines,
+            f"... and so on for all {len(named_params)} trained tensors: weights, gradients, optimizer state",
+        ]
 
 
 class _AfterBackward(torch.autograd.Function):
@@ -1838,12 +1958,106 @@ def innermost_units(module: nn.Module, units: list[nn.Module]) -> dict[nn.Parame
     return owner
 
 
-def shard_fully(kit: ModelKit, cfg: RunConfig, d: Dist) -> nn.Module:
+class TorchFSDP(Wrapper):
+    """torch's fully_shard (FSDP2) on the same units. Its parameters are DTensors, each rank holding
+    a block of rows; torch's own distributed state-dict functions gather and load them whole."""
+
+    gathers_in_forward = True
+
+    def __init__(self, root: nn.Module, named: nn.Module) -> None:
+        super().__init__(root)
+        self.named = named  # the module whose parameter names a checkpoint uses (the root may wrap it)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        # FSDP2 then keeps whole (unsharded) gradients until the micro-step that syncs: memory for silence.
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+    def clip_gradients(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        return super().clip_gradients(params, max_norm).full_tensor()  # torch summed the shards' squares
+
+    def full_state(self, model: nn.Module, rank0: bool, trainable: bool = False) -> dict[str, torch.Tensor]:
+        """model's state_dict whole: on rank 0's CPU alone (rank0), or on every rank."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=rank0, ignore_frozen_params=trainable)
+        return get_model_state_dict(model, options=options)
+
+    def whole_optimizer_state(self, optimizer: torch.optim.Optimizer, names: list[str], rank0: bool) -> dict:
+        """The optimizer's state whole, as a plain optimizer's state_dict() numbers its parameters."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=rank0)
+        state = get_optimizer_state_dict(self.named, optimizer, options=options)
+        return renumber(state, number(names)) if state else {}  # with cpu_offload, only rank 0 gets it
+
+    def rank0_state(self, d: Dist, named_params: list, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        names = [n for n, _ in named_params]
+        weights, state = self.full_state(self.named, True, True), self.whole_optimizer_state(optimizer, names, True)
+        return ({n: weights[n] for n in names}, state) if d.is_main else ({}, {})
+
+    def load_state(self, named_params: list, weights: dict, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        by_name = renumber(state, dict(enumerate(n for n, _ in named_params)))
+        options = StateDictOptions(full_state_dict=True, strict=False)  # LoRA: the adapters alone
+        set_state_dict(self.named, optimizer, model_state_dict=weights, optim_state_dict=by_name, options=options)
+
+    def whole_state_dict(self, d: Dist, raw: nn.Module) -> dict | None:
+        state = self.full_state(raw, rank0=True)
+        if not d.is_main:
+            return None
+        first: dict[int, torch.Tensor] = {}  # tied weights come back as two tensors: one again
+        return {name: first.setdefault(id(t), state[name]) for name, t in raw.state_dict(keep_vars=True).items()}
+
+    def replicated(self, named_params: list, optimizer: torch.optim.Optimizer | None = None) -> list:
+        """No gradient is replicated: each rank holds its rows. The weights and the optimizer state
+        gathered whole (a collective) are equal everywhere unless the gather itself is broken."""
+        if optimizer is None:
+            return []
+        names = [n for n, _ in named_params]
+        weights, state = self.full_state(self.named, False, True), self.whole_optimizer_state(optimizer, names, False)
+        moments = [(f"optimizer {k} of {names[i]}", v) for i, s in state["state"].items() for k, v in s.items()]
+        return [(n, weights[n]) for n in names] + [(name, v) for name, v in moments if torch.is_tensor(v)]
+
+    def ownership(self, named_params: list, optimizer: torch.optim.Optimizer) -> list[str]:
+        lines = []
+        for n, p in named_params[:4]:  # fully_shard cuts dim 0 into N row blocks, as torch.chunk does
+            rows = math.ceil(p.shape[0] / p.device_mesh.size())
+            start = p.device_mesh.get_local_rank() * rows
+            lines.append(f"{n}: rows [{start:,}, {min(start + rows, p.shape[0]):,}) of {p.shape[0]:,}")
+        return [
+            *lines,
+            f"... and so on for all {len(named_params)} trained tensors: weights, gradients, optimizer state",
+        ]
+
+    def after_evaluation(self) -> None:
+        for unit in self.module.modules():  # fully_shard leaves the root unit whole after a forward
+            if hasattr(unit, "reshard"):  # with no backward to follow: back to shards
+                unit.reshard()
+
+
+def number(names: list[str]) -> dict[str, int]:
+    return {name: i for i, name in enumerate(names)}
+
+
+def renumber(state: dict, key: dict) -> dict:
+    """An optimizer state_dict with its parameters renamed by `key`: torch's distributed state dicts
+    name them, a plain optimizer numbers them (in the order its parameters were given)."""
+    groups = [{**g, "params": [key[q] for q in g["params"]]} for g in state["param_groups"]]
+    return {"state": {key[q]: s for q, s in state["state"].items()}, "param_groups": groups}
+
+
+def shard_fully(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats) -> Wrapper:
     """FSDP units: each Transformer block, then the rest (embeddings, final norm, head) as the root
     unit. Tied embedding and head weights are one tensor, so they must share a unit: the root."""
     units = [*kit.blocks, kit.trained]
     if cfg.ddp == "manual":
-        return ManualFSDP(kit.trained, d, units)
+        return ManualFSDP(kit.trained, d, units, timeline=stats.timeline)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -1855,25 +2069,13 @@ def shard_fully(kit: ModelKit, cfg: RunConfig, d: Dist) -> nn.Module:
     # FSDP2 warns that a unit returned a view, which an in-place op could detach from its
     # all-gather; this script never modifies a model's output in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-    return kit.trained
+    return TorchFSDP(kit.trained, kit.model)
 
 
-@contextlib.contextmanager
-def fsdp_no_sync(model: nn.Module) -> Iterator[None]:
-    # FSDP2 then keeps whole (unsharded) gradients until the micro-step that syncs: memory for silence.
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
-
-
-def wrap_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats) -> nn.Module:
+def wrap_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats) -> Wrapper | TorchDDP:
+    """The model as every rank trains it: replicated (DDP, section 5) or sharded (FSDP, here)."""
     if d.distributed and cfg.sharding == "full":
-        model = shard_fully(kit, cfg, d)
-        if isinstance(model, ManualFSDP):  # its all-gathers and reduce-scatters go on the timeline too
-            model.timeline = stats.timeline
-        return model
+        return shard_fully(kit, cfg, d, stats)
     return wrap_data_parallel(kit.trained, cfg, d, stats)
 
 
@@ -3872,38 +4074,37 @@ def cannot_shard_fully(cfg: RunConfig) -> str | None:
     return None
 
 
-def gather_full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter whole, keyed as the wrapped module names them. A collective under sharding:
-    every rank calls it, every rank receives them."""
-    raw = getattr(model, "module", model)
-    return {name: whole_tensor(model, p) for name, p in raw.named_parameters()}
+def rank0_optimizer_state(d: Dist, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's whole state on rank 0 ({} elsewhere); a collective under ZeRO-1, whose ranks
+    each hold the state of their own parameters: it is collected."""
+    if isinstance(optimizer, ShardedOptimizer):
+        return optimizer.state_dict(to=0, group=d.control)  # over Gloo: the state stays off the GPUs
+    if holds_a_share(optimizer):  # torch's ZeroRedundancyOptimizer
+        optimizer.consolidate_state_dict(to=0)
+    return optimizer.state_dict() if d.is_main else {}
 
 
-def whole_tensor(model: nn.Module, t: torch.Tensor, like: nn.Parameter | None = None) -> torch.Tensor:
-    """The whole of parameter t, or of a tensor t cut like parameter `like` (an Adam moment).
-    A collective under sharding: every rank calls it, every rank receives the whole."""
-    if isinstance(model, ManualFSDP) and t.dim():  # a 0-d tensor (Adam's step count) is never cut
-        return model.whole(t) if like is None else model.whole(like, t)
-    if hasattr(t, "full_tensor"):  # torch's fully_shard made it a DTensor: rows split across ranks
-        return t.full_tensor()
-    return t.detach()
+def optimizer_state_tensors(named_params: list, optimizer: torch.optim.Optimizer) -> list:
+    """(name, parameter, tensor) for each tensor of the optimizer's state (Adam's moments and step)."""
+    return [(f"optimizer {k} of {n}", p, v) for n, p in named_params
+            for k, v in optimizer.state.get(p, {}).items() if torch.is_tensor(v)]  # fmt: skip
 
 
-def on_rank0_cpu(d: Dist, t: torch.Tensor) -> torch.Tensor | None:
-    return t.cpu() if d.is_main else None  # the other ranks only helped to gather it
+def describe_optimizer_share(named_params: list, optimizer: torch.optim.Optimizer) -> list[str]:
+    mine = {p for group in optimizer.optim.param_groups for p in group["params"]}
+    owned = [(n, p) for n, p in named_params if p in mine]
+    numbers = sum(p.numel() for _, p in owned)
+    names = ", ".join(n for n, _ in owned[:4]) + (f", ... ({len(owned)} tensors)" if len(owned) > 4 else "")
+    return [f"optimizer state of {numbers:,} of {sum(p.numel() for _, p in named_params):,} weights: {names}"]
 
 
-def into_shard(model: nn.Module, p: nn.Parameter, whole: torch.Tensor) -> torch.Tensor:
-    """The part of a whole tensor shaped like p (p itself, or its Adam moment) that this rank keeps."""
-    if not whole.dim():  # a 0-d tensor (Adam's step count) is never cut
-        return whole
-    if isinstance(model, ManualFSDP):
-        return model.cut(p, whole)
-    if hasattr(p, "device_mesh"):  # a DTensor: each rank takes its own rows, nothing travels
-        from torch.distributed.tensor import distribute_tensor
-
-        return distribute_tensor(whole.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
-    return whole
+def to_cpu(tree: object) -> object:
+    """Every tensor of a state (dicts and lists of them) on the CPU, where rank 0 writes it from."""
+    if torch.is_tensor(tree):
+        return tree.cpu()
+    if isinstance(tree, dict):
+        return {k: to_cpu(v) for k, v in tree.items()}
+    return [to_cpu(v) for v in tree] if isinstance(tree, list) else tree
 
 
 def local_part(t: torch.Tensor) -> torch.Tensor:
@@ -3947,31 +4148,6 @@ def verify_replicas_agree(d: Dist, step: int, when: str, named: list[tuple[str, 
             )
 
 
-def trainable_grads(model: nn.Module, named_params: list[tuple[str, nn.Parameter]]) -> list[tuple[str, torch.Tensor]]:
-    """The averaged gradients every rank must hold alike: all of them, except under --sharding full,
-    where each rank holds its own shard of a unit's gradient and only the rest are replicated."""
-    return [(f"grad of {n}", p.grad) for n, p in named_params if p.grad is not None and not is_sharded(model, p)]
-
-
-def params_and_optimizer_state(
-    model: nn.Module, named_params: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer
-) -> list[tuple[str, torch.Tensor]]:
-    """Weights and optimizer state, whole. Under --sharding full they are reassembled from every
-    rank's shards (a collective): equal everywhere unless the gather itself is broken, which is
-    all this can check there, as no rank holds a copy of another's shard. ZeRO-1 keeps each
-    parameter's optimizer state on one rank only: it is left out."""
-    named: list[tuple[str, torch.Tensor]] = [(n, whole_tensor(model, p)) for n, p in named_params]
-    if getattr(optimizer, "optim", None) is None:  # not ZeRO-1: every rank holds the state
-        for n, p in named_params:
-            state = optimizer.state.get(p, {}).items()
-            named += [(f"optimizer {k} of {n}", whole_tensor(model, v, p)) for k, v in state if torch.is_tensor(v)]
-    return named
-
-
-def is_sharded(model: nn.Module, p: nn.Parameter) -> bool:
-    return (isinstance(model, ManualFSDP) and p in model.shard) or hasattr(p, "device_mesh")
-
-
 def print_in_rank_order(d: Dist, lines: list[str]) -> None:
     """Gather each rank's lines to rank 0 and print them rank by rank, never interleaved."""
     gathered: list[list[str]] = [lines]
@@ -3990,32 +4166,6 @@ def describe_shards(d: Dist, sampler: DistributedSampler) -> list[str]:
         sampler.set_epoch(epoch)
         indices = list(sampler)
         lines.append(f"epoch {epoch} shard: {len(indices)} examples, first {indices[:8]}")
-    return lines
-
-
-def describe_ownership(
-    model: nn.Module, optimizer: torch.optim.Optimizer, named_params: list[tuple[str, nn.Parameter]]
-) -> list[str]:
-    """Under sharding, what this rank keeps: the parameters whose optimizer state it owns (ZeRO-1),
-    or its slice of every parameter (full)."""
-    if getattr(optimizer, "optim", None) is not None:
-        mine = {p for group in optimizer.optim.param_groups for p in group["params"]}
-        owned = [(n, p) for n, p in named_params if p in mine]
-        numbers = sum(p.numel() for _, p in owned)
-        names = ", ".join(n for n, _ in owned[:4]) + (f", ... ({len(owned)} tensors)" if len(owned) > 4 else "")
-        return [f"optimizer state of {numbers:,} of {sum(p.numel() for _, p in named_params):,} weights: {names}"]
-    lines = []
-    for n, p in named_params[:4] if any(is_sharded(model, p) for _, p in named_params) else []:
-        if isinstance(model, ManualFSDP):
-            size, whole = p.numel(), math.prod(model.shape[p])
-            start = model.rank * size
-            lines.append(f"{n}: elements [{start:,}, {min(start + size, whole):,}) of {whole:,}, flattened")
-        else:  # fully_shard cuts dim 0 into N row blocks, as torch.chunk does
-            rows = math.ceil(p.shape[0] / p.device_mesh.size())
-            start = p.device_mesh.get_local_rank() * rows
-            lines.append(f"{n}: rows [{start:,}, {min(start + rows, p.shape[0]):,}) of {p.shape[0]:,}")
-    if lines:
-        lines.append(f"... and so on for all {len(named_params)} trained tensors: weights, gradients, optimizer state")
     return lines
 
 
@@ -4345,15 +4495,6 @@ def due_fault(cfg: RunConfig, d: Dist, step: int) -> str | None:
     return None
 
 
-def fault_at_step(cfg: RunConfig, d: Dist, step: int) -> str | None:
-    """The fault for this step: a crash (kill, raise, hang) happens here and now; a nan or desync
-    is returned for the step to apply where it belongs."""
-    fault = due_fault(cfg, d, step)
-    if fault in ("kill", "raise", "hang"):
-        crash_on_purpose(fault, d, step)
-    return fault
-
-
 def crash_on_purpose(kind: str, d: Dist, step: int) -> None:
     print(f"[fault] rank {d.rank}: injected '{kind}' at step {step} (--inject-fault)", file=sys.stderr, flush=True)
     if kind == "kill":
@@ -4412,6 +4553,68 @@ class PhaseTimer:
         per_step = {f"ms_{k}": 1000 * v / steps for k, v in self.seconds.items()} if self.enabled else {}
         self.seconds = dict.fromkeys(self.PHASES, 0.0)
         return per_step
+
+
+class SideWork:
+    """Everything train() does besides the DDP steps, called at fixed points of every step: the
+    phase timer (--time-breakdown) and the timeline (--trace-steps), faults on purpose
+    (--inject-fault), the first step's gradient check, the learner's report (--inspect), the
+    replica check (--verify-sync), and the memory table. With their flags off, the calls cost nothing."""
+
+    def __init__(self, cfg: RunConfig, d: Dist, kit: ModelKit, stats: CommStats, first_step: int) -> None:
+        self.cfg, self.d, self.kit, self.stats = cfg, d, kit, stats
+        # Made before the wrapper hooks the parameters: hooks run in the order they were registered,
+        # so the timeline stamps the last gradient before the wrapper launches the last bucket.
+        stats.timeline = self.timeline = start_timeline(cfg, d, [p for _, p in trainable_parameters(kit.model)],
+                                                        first_step)  # fmt: skip
+        self.offsets = clock_offsets(d) if self.timeline else []
+        self.predicted = predict_memory(cfg, d, kit)  # from the whole model, before any sharding
+        self.timer = PhaseTimer(cfg.time_breakdown, d.device, self.timeline)
+        self.fault: str | None = None
+
+    def begin_step(self, step: int) -> float:
+        """The step's start; a crash on purpose (kill, raise, hang) happens here and now."""
+        started = self.timer.start(step)
+        self.fault = due_fault(self.cfg, self.d, step)  # a teaching aid: None in real runs
+        if self.fault in ("kill", "raise", "hang"):
+            crash_on_purpose(self.fault, self.d, step)
+        self.stats.local_grads = {} if self.cfg.inspect and step <= INSPECT_STEPS else None
+        return started
+
+    def mark(self, phase: str) -> None:
+        self.timer.mark(phase)
+
+    def loss(self, micro_loss: torch.Tensor) -> torch.Tensor:
+        return micro_loss * float("nan") if self.fault == "nan" else micro_loss
+
+    def gradients_synced(self, step: int, named_params: list, sent: tuple[int, int], local_loss_sum: torch.Tensor,
+                         micro_tokens: list[int]) -> None:  # fmt: skip
+        if self.fault == "desync":  # pretend this rank's gradient sync silently went wrong
+            named_params[0][1].grad.add_(1e-3)
+        if step == 1:
+            check_gradients_arrived(self.kit.model, self.d)
+        if self.stats.local_grads is not None:  # the averaged gradient as the all-reduce left it, before clipping
+            report_inspect_step(self.cfg, self.d, step, self.stats, sent, named_params, local_loss_sum.item(),
+                                micro_tokens)  # fmt: skip
+
+    def verifying(self, step: int) -> bool:
+        return bool(self.cfg.verify_sync and step % self.cfg.verify_sync == 0)
+
+    def before_update(self, step: int, model: Replicas, named_params: list) -> None:
+        if self.verifying(step):
+            verify_replicas_agree(self.d, step, "after the gradient all-reduce", model.replicated(named_params))
+
+    def after_update(self, step: int, model: Replicas, named_params: list, optimizer: torch.optim.Optimizer) -> None:
+        self.timer.mark("optimizer")
+        if self.verifying(step):
+            state = model.replicated(named_params, optimizer)
+            verify_replicas_agree(self.d, step, "after the optimizer step", state)
+        self.timer.end_step()
+
+    def finish(self, model: Replicas, optimizer: torch.optim.Optimizer) -> tuple[list[list[Span]], list[dict]]:
+        """The trace and every rank's memory, gathered to rank 0 (a collective)."""
+        trace = collect_trace(self.d, self.timeline, self.offsets) if self.timeline else []
+        return trace, measure_memory(self.d, self.kit, model, optimizer, self.predicted)
 
 
 class StopRequest:
@@ -4536,7 +4739,7 @@ def announce_run(
     if note := describe_sharding(cfg, d):
         log(d, note)
     if cfg.inspect:
-        print_in_rank_order(d, describe_shards(d, sampler) + describe_ownership(model, optimizer, named_params))
+        print_in_rank_order(d, describe_shards(d, sampler) + model.ownership(named_params, optimizer))
 
 
 def sent_in_buckets(cfg: RunConfig, d: Dist, calls: int, nbytes: int) -> dict[str, int]:
@@ -4550,7 +4753,7 @@ def evaluation_due(cfg: RunConfig, kit: ModelKit, step: int) -> bool:
 
 
 @torch.no_grad()
-def evaluate(cfg: RunConfig, d: Dist, kit: ModelKit, precision: str) -> dict[str, float]:
+def evaluate(cfg: RunConfig, d: Dist, kit: ModelKit, model: Replicas, precision: str) -> dict[str, float]:
     """The exact token-weighted loss on the held-out lines, computed by all ranks together.
 
     Rank r takes held-out examples r, r+W, r+2W, ...: every example exactly once. (A
@@ -4560,26 +4763,24 @@ def evaluate(cfg: RunConfig, d: Dist, kit: ModelKit, precision: str) -> dict[str
     every forward gathers weights: a rank with fewer batches runs uncounted ones to join in.)
     One all-reduce then sums loss, tokens and bytes.
     """
-    val, model = kit.val, kit.trained
-    model.eval()
+    val, raw = kit.val, kit.trained
+    raw.eval()
     loss_sum = tokens = nbytes = 0.0
     # With fewer held-out examples than ranks, some ranks hold none: they add zeros to the sums.
     mine = torch.arange(d.rank, len(val), d.world_size)
     for chunk in mine.split(cfg.batch_size) if len(mine) else []:
         inputs, targets, *positions = (t.to(d.device) for t in trim_padding([val[i] for i in chunk.tolist()]))
         with autocast_for(precision, d):
-            loss_sum += kit.loss(model, inputs, targets, *positions).item()
+            loss_sum += kit.loss(raw, inputs, targets, *positions).item()
         tokens += int((targets != IGNORE_INDEX).sum())
         nbytes += int(val.target_bytes[chunk].sum())
-    if cfg.sharding == "full" and d.distributed:  # every forward all-gathers: a rank must not skip one
+    if model.gathers_in_forward:  # every forward all-gathers: a rank must not skip one
         for _ in range(batches_on_rank0(len(val), d, cfg) - math.ceil(len(mine) / cfg.batch_size)):
             inputs, targets, *positions = (t.to(d.device) for t in trim_padding([val[0]]))
             with autocast_for(precision, d):
-                kit.loss(model, inputs, targets, *positions)  # joins the gathers; its loss is not counted
-    for unit in model.modules():  # torch's fully_shard leaves the root unit whole after a forward
-        if hasattr(unit, "reshard"):  # with no backward to follow: back to shards
-            unit.reshard()
-    model.train()
+                kit.loss(raw, inputs, targets, *positions)  # joins the gathers; its loss is not counted
+    model.after_evaluation()
+    raw.train()
     loss_sum, tokens, nbytes = all_reduce_sum(d, [loss_sum, tokens, nbytes])
     loss = loss_sum / tokens
     # Perplexity is per token, so it depends on the tokenizer; bits per byte does not, and
@@ -4924,13 +5125,12 @@ def measure_memory(
         return total
 
     params = list(kit.trained.parameters())
-    buckets = [bucket.flat for bucket in model.buckets] if isinstance(model, ManualDDP) else []
     # ZeRO-1 (torch's and ours) steps an inner optimizer that holds this rank's share of the state.
     state = getattr(optimizer, "optim", optimizer).state.values()
     mine = {
         "rank": d.rank,
         "parameters": storage_bytes(iter(params)),
-        "gradients": storage_bytes(itertools.chain((p.grad for p in params if p.grad is not None), buckets)),
+        "gradients": storage_bytes([*(p.grad for p in params if p.grad is not None), *model.gradient_buffers()]),
         "optimizer_state": storage_bytes(t for s in state for t in s.values() if torch.is_tensor(t)),
         "peak": peak_bytes(d),
         **predicted,
@@ -5412,8 +5612,7 @@ def training_state(
         dist.gather_object(capture_rng(d), rng, dst=0)
     # Trainable weights only: the whole tiny model, or just the LoRA adapters (the frozen
     # base comes back from --model-name-or-path).
-    trainable = {n: on_rank0_cpu(d, whole_tensor(model, p)) for n, p in named_params}
-    optimizer_state = whole_optimizer_state(model, optimizer, [p for _, p in named_params], d)
+    trainable, optimizer_state = model.rank0_state(d, named_params, optimizer)
     if not d.is_main:
         return None
     return {
@@ -5425,34 +5624,6 @@ def training_state(
         "rng": rng,  # indexed by rank: each rank's dropout stream continues where it was
         "settings": settings,
     }
-
-
-def whole_optimizer_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], d: Dist
-) -> dict | None:
-    """The optimizer's state as one unsharded optimizer over `params` would hold it (rank 0).
-
-    ZeRO-1 keeps each parameter's state whole on its owner rank: the state is collected.
-    FSDP keeps every moment cut like its weight: the pieces are gathered and put together.
-    """
-    if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
-        optimizer.consolidate_state_dict(to=0)
-        return optimizer.state_dict() if d.is_main else None
-    if isinstance(optimizer, ShardedOptimizer):  # a collective; rank 0 receives the whole state
-        return optimizer.state_dict(to=0, group=d.control) or None
-    state = optimizer.state_dict()
-    if isinstance(model, ManualFSDP) or any(hasattr(p, "full_tensor") for p in params):
-        state = {
-            **state,
-            "state": {
-                i: {
-                    k: on_rank0_cpu(d, whole_tensor(model, v, params[i])) if torch.is_tensor(v) else v
-                    for k, v in s.items()
-                }
-                for i, s in state["state"].items()
-            },
-        }
-    return state if d.is_main else None
 
 
 class StateSaver:
@@ -5615,20 +5786,6 @@ def choose_checkpoint(cfg: RunConfig, settings: dict, final_name: str) -> dict |
     return state
 
 
-def whole_state_dict(model: nn.Module, raw: nn.Module, d: Dist) -> dict | None:
-    """raw.state_dict() with every tensor whole, on rank 0, under --sharding full (a collective);
-    None otherwise: rank 0's own model is whole already. Tied weights stay one tensor."""
-    if not isinstance(model, ManualFSDP) and not any(hasattr(p, "full_tensor") for p in raw.parameters()):
-        return None
-    whole: dict[int, torch.Tensor | None] = {}
-    state = {}
-    for name, t in raw.state_dict(keep_vars=True).items():
-        if id(t) not in whole:
-            whole[id(t)] = on_rank0_cpu(d, whole_tensor(model, t))
-        state[name] = whole[id(t)]
-    return state if d.is_main else None
-
-
 def refuse_to_replace_a_finished_model(cfg: RunConfig, final_name: str) -> None:
     """A run that starts from step 0 in a folder holding a finished run's model would replace that
     model at its end. The lock keeps two runs apart at once, this one after the other. (Resuming a
@@ -5760,23 +5917,16 @@ def stopped_in_an_earlier_attempt(cfg: RunConfig, d: Dist) -> bool:
     return False
 
 
-def apply_resume_state(
+def resume_training(
     state: dict,
-    model: nn.Module,
+    model: Replicas,
     named_params: list[tuple[str, nn.Parameter]],
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler | None,
     d: Dist,
 ) -> Progress:
-    params = [p for _, p in named_params]
-    with torch.no_grad():
-        for name, p in named_params:
-            p.copy_(into_shard(model, p, state["trainable"][name]))
-    saved = state["optimizer"]
-    if isinstance(model, ManualFSDP) or any(hasattr(p, "device_mesh") for p in params):
-        # The state of an optimizer over shards: each rank keeps its piece of every moment.
-        saved = {**saved, "state": {i: resume_state_shard(model, params[i], s) for i, s in saved["state"].items()}}
-    optimizer.load_state_dict(saved)  # ShardedOptimizer and ZeroRedundancyOptimizer keep their own share
+    """Put a checkpoint's whole state back, in whatever layout this run holds it."""
+    model.load_state(named_params, state["trainable"], optimizer, state["optimizer"])
     if scaler and state["scaler"]:
         scaler.load_state_dict(state["scaler"])
     if len(state["rng"]) == d.world_size:
@@ -5784,10 +5934,6 @@ def apply_resume_state(
     else:  # another world size: the examples per step are the same, each rank's dropout stream is new
         log(d, f"[resume] saved by {len(state['rng'])} rank(s), resumed by {d.world_size}: dropout draws afresh")
     return Progress(**state["progress"])
-
-
-def resume_state_shard(model: nn.Module, p: nn.Parameter, state: dict) -> dict:
-    return {k: into_shard(model, p, v) if torch.is_tensor(v) else v for k, v in state.items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -5846,7 +5992,7 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
         tell_torchrun(f"stopped cleanly by {result.stopped_by} after step {step}, checkpoint written (exit code 3)")
         raise SystemExit(EXIT_STOPPED)
     outputs = [cfg.output_dir / kit.final_name]
-    whole = whole_state_dict(result.model, kit.model, d)  # under sharding full: gathered, on rank 0
+    whole = result.model.whole_state_dict(d, kit.model)  # under sharding full: gathered, on rank 0
     rank0_writes(d, kit.final_label, lambda: kit.save_final(kit.model, step, whole))
     if cfg.plot:
         history = result.progress.history
