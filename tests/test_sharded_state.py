@@ -1,16 +1,24 @@
-"""ManualFSDP with param_dtype computes in bfloat16 and keeps everything else in float32, as torch's
+"""Where sharded training keeps its state, and in which dtype.
+
+ManualFSDP with param_dtype computes in bfloat16 and keeps everything else in float32, as torch's
 fully_shard with a MixedPrecisionPolicy does: the shards, the gradients and their sums across
 accumulation micro-steps; and a module whose parameters lie partly outside every unit runs whole in
 the compute dtype (the unit's inputs are cast, and so are the replicated parameters while they compute).
 
 The reference is the same model cast to bfloat16, run one micro-batch at a time, its gradients summed
 in float32: every rank feeds the same micro-batches, so the averaged gradient is that sum exactly.
+
+A ZeroRedundancyOptimizer loaded from a whole state (a resume) keeps every state tensor where a
+stepping optimizer keeps it: torch's own load moves Adam's 0-d step to the CPU, where the fused and
+capturable CUDA kernels refuse it (pytorch#124133). On a CPU the devices agree either way; the GPU
+check is `--sharding optimizer --save-every 2 --max-steps 4`, then the same with `--max-steps 6`.
 """
 
 from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import assert_ok, run_cmd, torchrun_cmd
 
 PROBE = r'''
@@ -61,22 +69,49 @@ try:
                             "dtypes": kept}
 except RuntimeError as e:
     facts["blocks only"] = {"error": str(e).splitlines()[0]}
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+def zero_model():
+    torch.manual_seed(0)
+    model = t.TinyTransformer(t.TinyConfig(seq_len=16, d_model=32, n_heads=2, n_layers=2))
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2, fused=True)
+    return model, list(model.named_parameters()), opt
+
+def zero_step(model, opt, ids):
+    t.token_loss_sum(model(ids[:, :-1]), ids[:, 1:]).backward()
+    opt.step()
+    opt.zero_grad()
+
+stepped, named, opt = zero_model()
+zero_step(stepped, opt, batches[0])
+weights, state = t.Wrapper(stepped).rank0_state(d, named, opt)
+box = [copy.deepcopy((weights, state))]  # as a checkpoint holds them: rank 0's are its live tensors
+dist.broadcast_object_list(box, src=0)
+resumed, named2, opt2 = zero_model()
+t.Wrapper(resumed).load_state(named2, *box[0][:1], opt2, box[0][1])
+where = lambda o: sorted((n, k, str(v.device), str(v.dtype)) for n, p in (named if o is opt else named2)
+                         for k, v in o.optim.state.get(p, {}).items())
+facts["zero"] = {"stepped": where(opt), "resumed": where(opt2)}
+zero_step(stepped, opt, batches[1])
+zero_step(resumed, opt2, batches[1])
+facts["zero"]["continues_bitwise"] = all(torch.equal(a, b) for a, b in zip(stepped.parameters(), resumed.parameters()))
 if d.rank == 0:
     print("FACTS " + json.dumps(facts))
 dist.destroy_process_group()
 '''
 
 
-def probe(tmp_path) -> dict:
-    script = tmp_path / "probe.py"
+@pytest.fixture(scope="module")
+def facts(tmp_path_factory) -> dict:
+    """One 2-rank launch of PROBE; rank 0's facts."""
+    script = tmp_path_factory.mktemp("probe") / "probe.py"
     script.write_text(PROBE)
     run = run_cmd(torchrun_cmd(2, [], script=script), timeout=120)
     assert_ok(run)
     return json.loads(run.stdout.split("FACTS ", 1)[1])
 
 
-def test_manual_fsdp_param_dtype_accumulates_and_keeps_gradients_in_float32(tmp_path):
-    facts = probe(tmp_path)
+def test_manual_fsdp_param_dtype_accumulates_and_keeps_gradients_in_float32(facts):
     accumulated = facts["accumulated"]
     # 8 micro-steps under no_sync(): summed in bfloat16 they were 4.7e-3 off (relative) before the fix.
     assert accumulated["relative_error"] < 1e-6, accumulated
@@ -88,3 +123,9 @@ def test_manual_fsdp_param_dtype_accumulates_and_keeps_gradients_in_float32(tmp_
     assert blocks_only["loss"] == blocks_only["reference_loss"]
     assert blocks_only["relative_error"] < 1e-6, blocks_only
     assert all(dtypes == ["torch.float32", "torch.float32"] for dtypes in blocks_only["dtypes"].values())
+
+
+def test_a_resumed_zero_optimizer_keeps_its_state_where_a_stepping_one_does_and_continues_bitwise(facts):
+    zero = facts["zero"]
+    assert zero["resumed"] == zero["stepped"] and any(k == "step" for _, k, *_ in zero["stepped"])
+    assert zero["continues_bitwise"]
