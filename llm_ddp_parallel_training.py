@@ -154,12 +154,10 @@ class Within:
         return value
 
     def __str__(self) -> str:
+        if self.high_open:
+            return f"in [{self.low:g}, {self.high:g})"
         if self.high < math.inf:
-            return (
-                f"in [{self.low:g}, {self.high:g})"
-                if self.high_open
-                else f"from {self.low:g} to {self.high:g}{self.unit}"
-            )
+            return f"from {self.low:g} to {self.high:g}{self.unit}"
         noun = "integer" if self.kind is int else "number"
         return f"a positive {noun}" if self.low_open or self.low > 0 else f"zero or a positive {noun}"
 
@@ -208,199 +206,115 @@ class RunConfig:
     a flag (--seq-len for seq_len); parse_args (section 8) fills them from the command line. A
     default of None is decided once the rest is known, as its help says."""
 
-    model: str = flag(
-        "tiny",
-        "tiny: a byte-level Transformer from scratch; hf: a pretrained causal LM from the Hugging Face Hub or a "
-        "local folder (--model-name-or-path), LoRA or full fine-tuning; qwen: the same as hf",
-        "run",
-        choices=["tiny", "hf", "qwen"],
-    )
-    corpus_file: Path = flag(
-        DEFAULT_CORPUS, "UTF-8 text, one training sample per line (blank lines skipped), or .jsonl records", type=Path
-    )
+    model: str = flag("tiny", "tiny: a byte-level Transformer from scratch; hf: a pretrained causal LM from the "
+                      "Hugging Face Hub or a local folder (--model-name-or-path), LoRA or full fine-tuning; qwen: the "
+                      "same as hf", "run", choices=["tiny", "hf", "qwen"])  # fmt: skip
+    corpus_file: Path = flag(DEFAULT_CORPUS, "UTF-8 text, one training sample per line (blank lines skipped), "
+                             "or .jsonl records", type=Path)  # fmt: skip
     output_dir: Path = flag(Path("outputs"), "where rank 0 writes", type=Path)
     seed: int = flag(1337, "init, shuffle and split; dropout adds the rank", type=Within(int, 0, 2**63 - 1))
     seq_len: int = flag(128, "tokens per example (bytes for tiny)", type=POSITIVE)
-    pack: bool | None = flag(
-        None,
-        "pack examples into full rows (default: on for tiny, off for hf); --no-pack: one padded example per row",
-        action=argparse.BooleanOptionalAction,
-    )
+    pack: bool | None = flag(None, "pack examples into full rows (default: on for tiny, off for hf); --no-pack: one "
+                             "padded example per row", action=argparse.BooleanOptionalAction)  # fmt: skip
     data_format: str = flag(
         "auto",
         "for a .jsonl corpus: the records' schema (auto: decided from the records)",
         choices=["auto", "text", "messages", "prompt-completion", "sharegpt", "alpaca"],
     )
-    train_on_prompt: bool = flag(
-        False, "chat and prompt-completion data: train on every token, not only the replies", action="store_true"
-    )
-    show_examples: int = flag(
-        0, "print the first N records as the model sees them, targets in [[ ]], and exit", type=COUNT, metavar="N"
-    )
-    cache_dir: Path | None = flag(
-        None,
-        "where the corpus is kept tokenized: built once, then read by every rank as batches ask (default: "
-        "$XDG_CACHE_HOME or ~/.cache, then llm_ddp_parallel_training); none: tokenize in memory, for this run only",
-        metavar="DIR",
-    )
+    train_on_prompt: bool = flag(False, "chat and prompt-completion data: train on every token, not only the replies",
+                                 action="store_true")  # fmt: skip
+    show_examples: int = flag(0, "print the first N records as the model sees them, targets in [[ ]], and exit",
+                              type=COUNT, metavar="N")  # fmt: skip
+    cache_dir: Path | None = flag(None, "where the corpus is kept tokenized: built once, then read by every rank as "
+                                  "batches ask (default: $XDG_CACHE_HOME or ~/.cache, then llm_ddp_parallel_training); "
+                                  "none: tokenize in memory, for this run only", metavar="DIR")  # fmt: skip
 
     d_model: int = flag(128, "embedding width", "tiny model", type=POSITIVE)
     n_heads: int = flag(4, "attention heads", type=POSITIVE)
     n_layers: int = flag(2, "Transformer blocks", type=POSITIVE)
     dropout: float = flag(0.0, "dropout probability", type=PROBABILITY)
 
-    dataset: str | None = flag(
-        None,
-        "read the records with Hugging Face datasets instead of --corpus-file: a Hub name, a local parquet, JSONL "
-        "or CSV file, or a folder save_to_disk wrote",
-        PRETRAINED_GROUP,
-        metavar="NAME_OR_PATH",
-    )
+    dataset: str | None = flag(None, "read the records with Hugging Face datasets instead of --corpus-file: a Hub "
+                               "name, a local parquet, JSONL or CSV file, or a folder save_to_disk wrote",
+                               PRETRAINED_GROUP, metavar="NAME_OR_PATH")  # fmt: skip
     dataset_split: str = flag("train", "the split of --dataset to train on")
     dataset_config: str | None = flag(None, "the configuration of a Hub --dataset that has several", metavar="NAME")
-    model_name_or_path: str = flag(
-        "Qwen/Qwen2.5-0.5B-Instruct",
-        "pretrained causal LM: hub name or local folder (Qwen2, Llama, Gemma, Mistral, Phi-3, ...)",
-    )
+    model_name_or_path: str = flag("Qwen/Qwen2.5-0.5B-Instruct", "pretrained causal LM: hub name or local folder "
+                                   "(Qwen2, Llama, Gemma, Mistral, Phi-3, ...)")  # fmt: skip
     lora_r: int = flag(8, "rank of the low-rank update B @ A", type=POSITIVE)
     lora_alpha: float = flag(16.0, "update scale is alpha / r", type=Within(float, 0, low_open=True))
     lora_dropout: float = flag(0.05, "dropout on the adapter input", type=PROBABILITY)
-    lora_targets: tuple[str, ...] = flag(
-        ("q_proj", "v_proj"),
-        "linear layers to adapt, comma-separated; all-linear: every linear layer but the output head",
-        type=layer_names,
-    )
-    dtype: str = flag(
-        "auto",
-        "weights dtype; auto: bfloat16 on GPUs that support it, else float32",
-        choices=["auto", "float32", "bfloat16", "float16"],
-    )
-    attn_implementation: str = flag(
-        "sdpa",
-        "attention kernel; flash_attention_2 needs CUDA and the flash-attn package",
-        choices=["sdpa", "flash_attention_2", "eager"],
-    )
-    trust_remote_code: bool = flag(
-        False, "allow model code from the hub (the families transformers knows need none)", action="store_true"
-    )
+    lora_targets: tuple[str, ...] = flag(("q_proj", "v_proj"), "linear layers to adapt, comma-separated; all-linear: "
+                                         "every linear layer but the output head", type=layer_names)  # fmt: skip
+    dtype: str = flag("auto", "weights dtype; auto: bfloat16 on GPUs that support it, else float32",
+                      choices=["auto", "float32", "bfloat16", "float16"])  # fmt: skip
+    attn_implementation: str = flag("sdpa", "attention kernel; flash_attention_2 needs CUDA and the flash-attn package",
+                                    choices=["sdpa", "flash_attention_2", "eager"])  # fmt: skip
+    trust_remote_code: bool = flag(False, "allow model code from the hub (the families transformers knows need none)",
+                                   action="store_true")  # fmt: skip
     gradient_checkpointing: bool = flag(False, "recompute activations in backward to save memory", action="store_true")
-    finetune: str = flag(
-        "lora",
-        "lora: train adapters only; full: train every weight (needs --sharding full to fit where DDP does not)",
-        choices=["lora", "full"],
-    )
+    finetune: str = flag("lora", "lora: train adapters only; full: train every weight (needs --sharding full to fit "
+                         "where DDP does not)", choices=["lora", "full"])  # fmt: skip
 
     batch_size: int = flag(8, "examples per rank per step", "optimisation", type=POSITIVE)
-    max_steps: int = flag(
-        None, "optimizer steps, across epochs (default: 600, or no cap when --epochs is given)", type=POSITIVE
-    )
-    epochs: int = flag(
-        0, "passes over the training data; --max-steps still caps (0: --max-steps alone decides)", type=COUNT
-    )
+    max_steps: int = flag(None, "optimizer steps, across epochs (default: 600, or no cap when --epochs is given)",
+                          type=POSITIVE)  # fmt: skip
+    epochs: int = flag(0, "passes over the training data; --max-steps still caps (0: --max-steps alone decides)",
+                       type=COUNT)  # fmt: skip
     lr: float = flag(None, "peak learning rate (default: 3e-3 tiny, 2e-4 hf)", type=Within(float, 0, low_open=True))
     min_lr: float = flag(None, "end of the cosine decay (default: lr/10)", type=Within(float, 0))
     warmup_steps: int = flag(20, "linear warmup from 0 to --lr", type=COUNT)
     weight_decay: float = flag(0.01, "weight decay", type=Within(float, 0))
     grad_clip: float = flag(1.0, "clip the global gradient norm to this (0: off)", type=Within(float, 0))
-    precision: str = flag(
-        "auto",
-        "autocast: auto is bf16 on GPUs that support it, else fp32; fp16 (GPU only) uses a GradScaler",
-        choices=["auto", "fp32", "bf16", "fp16"],
-    )
+    precision: str = flag("auto", "autocast: auto is bf16 on GPUs that support it, else fp32; fp16 (GPU only) uses a "
+                          "GradScaler", choices=["auto", "fp32", "bf16", "fp16"])  # fmt: skip
     tf32: bool = flag(True, "TF32 for fp32 matmuls on CUDA GPUs", action=argparse.BooleanOptionalAction)
 
-    val_fraction: float = flag(
-        0.1, "share of lines held out for validation", "validation and reporting", type=PROBABILITY
-    )
+    val_fraction: float = flag(0.1, "share of lines held out for validation", "validation and reporting",
+                               type=PROBABILITY)  # fmt: skip
     eval_every: int = flag(100, "steps between evaluations (0: at the end)", type=COUNT)
     progress: str = flag("auto", "auto: a bar on a terminal, else log lines", choices=["auto", "bar", "plain"])
     log_every: int = flag(25, "steps between log lines", type=POSITIVE)
     metrics_file: Path | None = flag(None, "append one JSON object per logged step", type=Path)
     plot: bool = flag(False, "write OUTPUT_DIR/loss.png at the end (needs matplotlib)", action="store_true")
     time_breakdown: bool = flag(False, "time data/forward/backward/sync/optimizer in every step", action="store_true")
-    trace_steps: int = flag(
-        0,
-        "record every rank's first N steps to OUTPUT_DIR/trace.json (Perfetto); with --plot, timeline.png",
-        type=COUNT,
-        metavar="N",
-    )
+    trace_steps: int = flag(0, "record every rank's first N steps to OUTPUT_DIR/trace.json (Perfetto); with --plot, "
+                            "timeline.png", type=COUNT, metavar="N")  # fmt: skip
 
-    ddp: str = flag(
-        "torch",
-        "torch's DDP (and ZeroRedundancyOptimizer, fully_shard), or the from-scratch ones",
-        "gradients",
-        choices=["torch", "manual"],
-    )
-    sharding: str = flag(
-        "none",
-        "none: DDP, a whole copy per rank; optimizer: ZeRO-1, optimizer state split across ranks; "
-        "full: FSDP (ZeRO-3), weights, gradients and optimizer state split",
-        choices=["none", "optimizer", "full"],
-    )
-    bucket_mb: float = flag(
-        25.0,
-        "gradient bucket size for the all-reduce, in MiB (torch's bucket_cap_mb)",
-        type=Within(float, 1e-3, 65536, unit=" MiB"),
-    )
+    ddp: str = flag("torch", "torch's DDP (and ZeroRedundancyOptimizer, fully_shard), or the from-scratch ones",
+                    "gradients", choices=["torch", "manual"])  # fmt: skip
+    sharding: str = flag("none", "none: DDP, a whole copy per rank; optimizer: ZeRO-1, optimizer state split across "
+                         "ranks; full: FSDP (ZeRO-3), weights, gradients and optimizer state split",
+                         choices=["none", "optimizer", "full"])  # fmt: skip
+    bucket_mb: float = flag(25.0, "gradient bucket size for the all-reduce, in MiB (torch's bucket_cap_mb)",
+                            type=Within(float, 1e-3, 65536, unit=" MiB"))  # fmt: skip
     grad_accum_steps: int = flag(1, "micro-steps per optimizer step (k-1 without sync)", type=POSITIVE)
-    loss_normalization: str = flag(
-        "global-tokens",
-        "exact mean over every token of the global batch, or the biased mean of per-rank means",
-        choices=["global-tokens", "mean-of-means"],
-    )
+    loss_normalization: str = flag("global-tokens", "exact mean over every token of the global batch, or the biased "
+                                   "mean of per-rank means", choices=["global-tokens", "mean-of-means"])  # fmt: skip
     optimizer: str = flag("adamw", "sgd: plain, no momentum", choices=["adamw", "sgd"])
-    grad_compression: str = flag(
-        "none",
-        "bf16: all-reduce gradients as bfloat16, half the bytes (for slow links; rounds each gradient)",
-        choices=["none", "bf16"],
-    )
-    verify_sync: int = flag(
-        0,
-        "every N steps check that all ranks hold identical gradients, weights and optimizer state",
-        type=COUNT,
-        metavar="N",
-    )
+    grad_compression: str = flag("none", "bf16: all-reduce gradients as bfloat16, half the bytes (for slow links; "
+                                 "rounds each gradient)", choices=["none", "bf16"])  # fmt: skip
+    verify_sync: int = flag(0, "every N steps check that all ranks hold identical gradients, weights and optimizer "
+                            "state", type=COUNT, metavar="N")  # fmt: skip
     inspect: bool = flag(False, "report shards, buckets and per-rank gradients", action="store_true")
-    inject_fault: FaultPlan | None = flag(
-        None,
-        "teaching/testing aid: make RANK fail at STEP once; KIND kill (default), raise, nan, desync, save or hang",
-        type=FaultPlan.parse,
-        metavar="RANK:STEP[:KIND]",
-    )
+    inject_fault: FaultPlan | None = flag(None, "teaching/testing aid: make RANK fail at STEP once; KIND kill "
+                                          "(default), raise, nan, desync, save or hang", type=FaultPlan.parse,
+                                          metavar="RANK:STEP[:KIND]")  # fmt: skip
 
-    save_every: int = flag(
-        0,
-        "full training state every N steps and at the end (0: off)",
-        "checkpoints and resume",
-        type=COUNT,
-        metavar="N",
-    )
+    save_every: int = flag(0, "full training state every N steps and at the end (0: off)", "checkpoints and resume",
+                           type=COUNT, metavar="N")  # fmt: skip
     keep_last: int = flag(2, "how many checkpoints to keep", type=POSITIVE, metavar="K")
     overwrite: bool = flag(False, "replace a finished run's model in OUTPUT_DIR (else: refused)", action="store_true")
-    resume: str = flag(
-        "auto",
-        "auto: continue from the newest complete checkpoint in OUTPUT_DIR/checkpoints, if any",
-        metavar="auto|none|PATH",
-    )
+    resume: str = flag("auto", "auto: continue from the newest complete checkpoint in OUTPUT_DIR/checkpoints, if any",
+                       metavar="auto|none|PATH")  # fmt: skip
 
-    backend: str = flag(
-        "auto",
-        "auto: NCCL on Linux with CUDA, else Gloo",
-        "hardware and process group",
-        choices=["auto", "gloo", "nccl"],
-    )
+    backend: str = flag("auto", "auto: NCCL on Linux with CUDA, else Gloo", "hardware and process group",
+                        choices=["auto", "gloo", "nccl"])  # fmt: skip
     cpu: bool = flag(False, "train on CPU even if CUDA is available", action="store_true")
-    nproc: int = flag(
-        0,
-        "start N ranks on this machine without torchrun (Windows, macOS, notebooks); 0: off",
-        type=COUNT,
-        metavar="N",
-    )
-    timeout_s: float = flag(
-        300.0,
-        "how long a collective may wait for the other ranks",
-        type=Within(float, 1, 7 * 86400, unit=" seconds"),
-    )
+    nproc: int = flag(0, "start N ranks on this machine without torchrun (Windows, macOS, notebooks); 0: off",
+                      type=COUNT, metavar="N")  # fmt: skip
+    timeout_s: float = flag(300.0, "how long a collective may wait for the other ranks",
+                            type=Within(float, 1, 7 * 86400, unit=" seconds"))  # fmt: skip
 
     prompt: str = flag("Each rank", "text the trained model continues", "sample")
     sample_tokens: int = flag(120, "length of the sample", type=POSITIVE)
@@ -457,29 +371,6 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ or "WORLD_SIZE" in os.environ
 
 
-def rank_facts_from_env() -> tuple[int, int, int, int]:
-    """(rank, world size, local rank, local world size) as torchrun exported them, checked.
-
-    A leftover `export RANK=...` or a hand-made launch can set them inconsistently; that gets
-    one line now, not a ValueError from init_process_group or a wait for ranks that never come.
-    """
-    env = os.environ
-    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-    shown = ", ".join(f"{n}={env[n]}" for n in names if n in env)
-    fix = "launch with torchrun (it sets them all), or unset them to run one process"
-    try:
-        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-        local_rank = int(env.get("LOCAL_RANK", "0"))
-        local_world = int(env.get("LOCAL_WORLD_SIZE", str(world)))
-    except (KeyError, ValueError):
-        raise UsageError(f"rank variables incomplete or not integers ({shown}): {fix}") from None
-    if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
-        raise UsageError(f"rank variables are inconsistent ({shown}): {fix}")
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
-        raise UsageError(f"{shown} are set but MASTER_ADDR or MASTER_PORT is not: {fix}")
-    return rank, world, local_rank, local_world
-
-
 def choose_backend_and_device(cfg: RunConfig, local_rank: int, local_world: int) -> tuple[str, torch.device, str]:
     cuda = torch.cuda.is_available()
     if cfg.backend == "nccl":
@@ -512,7 +403,7 @@ def setup_distributed(cfg: RunConfig) -> Dist:
         use_cuda = torch.cuda.is_available() and not cfg.cpu
         device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
         return Dist(0, 0, 1, 1, device, None, "not launched by torchrun: one process, no process group")
-    rank, world, local_rank, local_world = rank_facts_from_env()
+    rank, world, local_rank, local_world = rank_facts_from_env()  # checked (section 9)
     backend, device, why = choose_backend_and_device(cfg, local_rank, local_world)
     if "TORCHELASTIC_RUN_ID" not in os.environ and local_rank == 0:  # a hand-made launch: say what it waits for
         where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
@@ -577,7 +468,8 @@ class Rows(Dataset):
     """Training examples made one row at a time, when a batch asks for it, from flat arrays of
     tokens (read from the token cache, section 10, as batches ask): nothing is ever held padded to
     seq_len, so memory does not grow with seq_len x examples. Row i is (inputs, targets[,
-    positions]), each of seq_len tokens; trim_padding then cuts the batch to its longest row."""
+    positions]), each of seq_len tokens; trim_padding then cuts the batch to its longest row. The
+    byte model's rows are ShiftingWindows and ByteWindows, a pretrained model's TokenRows (section 10)."""
 
     def set_epoch(self, epoch: int) -> None:
         """Fixed rows: only the sampler's order changes between epochs."""
@@ -591,168 +483,6 @@ class Rows(Dataset):
     inputs = property(lambda self: self.whole.inputs)
     targets = property(lambda self: self.whole.targets)
     positions = property(lambda self: self.whole.positions)
-
-
-@dataclass(frozen=True)
-class Lines:
-    """A corpus of lines for the byte model, as the one byte stream packed_stream would make of
-    them, b"\\n" + b"\\n".join(lines) + b"\\n": the bytes are the tokens. Line i is
-    stream[edges[i] + 1 : edges[i + 1]], framed by the newlines at edges[i] and edges[i + 1].
-    `chosen` marks the lines this set uses (training or held out), kept in file order."""
-
-    stream: np.ndarray | FileArray  # uint8, read from the token cache (FileArray, section 10), or in memory
-    edges: np.ndarray | FileArray  # (N + 1,) the framing newlines' positions
-    key: str  # what the bytes are: the token cache's key, part of the training data's digest
-    chosen: np.ndarray | None = None  # bool, one per line; None: every line
-
-    @classmethod
-    def from_texts(cls, texts: list[str]) -> Lines:
-        encoded = [t.encode("utf-8") for t in texts]
-        stream = np.frombuffer(packed_stream(texts), dtype=np.uint8)
-        edges = np.concatenate([[0], np.cumsum([len(b) + 1 for b in encoded], dtype=np.int64)])
-        return cls(stream, edges, sha256(stream.tobytes()))
-
-    def __len__(self) -> int:
-        return len(self.edges) - 1 if self.chosen is None else int(self.chosen.sum())
-
-    fmt = "text"  # lines, as describe_records says it
-
-    def subset(self, chosen: np.ndarray) -> Lines:
-        return replace(self, chosen=chosen)
-
-    def lines(self) -> np.ndarray:
-        return np.arange(len(self.edges) - 1) if self.chosen is None else np.flatnonzero(self.chosen)
-
-    def digest(self, what: str) -> str:
-        chosen = b"" if self.chosen is None else np.packbits(self.chosen).tobytes()
-        return sha256(f"{self.key}:{what}:".encode() + chosen)
-
-
-def packed_stream(lines: list[str]) -> bytes:
-    """The lines as one byte stream, each framed by newlines (b"\n" + line + b"\n", sharing them)."""
-    return b"\n" + b"\n".join(line.encode("utf-8") for line in lines) + b"\n"
-
-
-class Pieces:
-    """The chosen lines read as packed_stream(those lines) would lay them out, without copying
-    them: each run of consecutive chosen lines is one piece of the corpus's stream."""
-
-    def __init__(self, corpus: Lines) -> None:
-        edges, n = corpus.edges, len(corpus.edges) - 1
-        chosen = np.ones(n, dtype=bool) if corpus.chosen is None else corpus.chosen
-        step = np.diff(np.concatenate([[False], chosen, [False]]).view(np.int8))  # +1 where a run opens, -1 after it
-        first, last = np.flatnonzero(step == 1), np.flatnonzero(step == -1) - 1
-        # A run is its lines, each with its closing newline; the first run also takes the newline before it.
-        self.starts = edges[first] + 1
-        self.starts[0] -= 1
-        self.cum = np.concatenate([[0], np.cumsum(edges[last + 1] + 1 - self.starts)])
-        self.stream = corpus.stream
-
-    def __len__(self) -> int:
-        return int(self.cum[-1])
-
-    def read(self, at: int, n: int) -> torch.Tensor:
-        """Bytes [at, at + n) of the laid-out stream (fewer at its end), as int64 token ids."""
-        end, piece, parts = min(at + n, len(self)), int(np.searchsorted(self.cum, at, side="right")) - 1, []
-        while at < end:  # a window crosses a piece's end where a held-out line was left out
-            take, start = min(end, int(self.cum[piece + 1])) - at, int(self.starts[piece]) + at - int(self.cum[piece])
-            parts.append(self.stream[start : start + take])
-            at, piece = at + take, piece + 1
-        return torch.from_numpy(np.concatenate(parts).astype(np.int64))
-
-
-class ShiftingWindows(Rows):
-    """Packed training data: one byte stream, cut into seq_len windows at an offset that moves
-    every epoch. Every window is full: no compute goes to padding.
-
-    A cut that never moved would put each byte at the same position of the same window in
-    every epoch, and a small model then memorizes "this byte at that position" instead of the
-    text, and fails on the same text anywhere else (as when sampling from a prompt). The offset
-    comes from --seed and the epoch: the same on every rank, and the same again on resume.
-    """
-
-    def __init__(self, corpus: Lines, seq_len: int, seed: int) -> None:
-        self.stream, self.seq_len, self.seed, self.offset = Pieces(corpus), seq_len, seed, 0
-        self.key = corpus.digest(f"windows:{seq_len}")
-
-    def __len__(self) -> int:
-        return max(0, (len(self.stream) - 1) // self.seq_len - 1)  # windows that fit at any offset
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        window = self.stream.read(self.offset + i * self.seq_len, self.seq_len + 1)
-        return window[:-1], window[1:]
-
-    def set_epoch(self, epoch: int) -> None:
-        generator = torch.Generator().manual_seed(self.seed + epoch)
-        self.offset = int(torch.randint(self.seq_len, (), generator=generator))
-
-    @property
-    def target_bytes(self) -> torch.Tensor:
-        return torch.full((len(self),), self.seq_len, dtype=torch.long)  # every window is full
-
-    def digest(self) -> str:
-        return self.key
-
-
-class ByteWindows(Rows):
-    """Fixed byte examples: each span of the stream cut into windows of seq_len targets that
-    overlap by one byte, so every byte is a target exactly once; only a span's last window is
-    padded. Spans are the chosen lines, each framed by its newlines (one line per example), or
-    the chosen lines laid end to end as one span (packed, as the held-out set is)."""
-
-    def __init__(self, corpus: Lines, seq_len: int, pack: bool) -> None:
-        self.stream, self.seq_len = Pieces(corpus), seq_len
-        if pack:
-            self.starts, self.lengths = np.array([0]), np.array([len(self.stream)])
-        else:  # line i spans edges[i] .. edges[i + 1], in the laid-out stream
-            self.stream = Pieces(Lines(corpus.stream, corpus.edges, corpus.key))
-            lines = corpus.lines()
-            self.starts, self.lengths = corpus.edges[lines], corpus.edges[lines + 1] + 1 - corpus.edges[lines]
-        self.cum = np.concatenate([[0], np.cumsum((self.lengths - 2) // seq_len + 1)])
-        self.key = corpus.digest(f"{'packed' if pack else 'lines'}:{seq_len}")
-
-    def __len__(self) -> int:
-        return int(self.cum[-1])
-
-    def window(self, i: int) -> tuple[int, int]:
-        span = int(np.searchsorted(self.cum, i, side="right")) - 1
-        cut = (i - int(self.cum[span])) * self.seq_len
-        return int(self.starts[span]) + cut, min(self.seq_len + 1, int(self.lengths[span]) - cut)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = self.stream.read(*self.window(i))
-        inputs = torch.zeros(self.seq_len, dtype=torch.long)
-        targets = torch.full((self.seq_len,), IGNORE_INDEX, dtype=torch.long)
-        inputs[: len(ids) - 1], targets[: len(ids) - 1] = ids[:-1], ids[1:]
-        return inputs, targets
-
-    @functools.cached_property
-    def target_bytes(self) -> torch.Tensor:
-        """Each row's targets: its window's bytes but the first."""
-        span = np.repeat(np.arange(len(self.lengths)), np.diff(self.cum))
-        cut = (np.arange(len(self)) - self.cum[span]) * self.seq_len
-        return torch.from_numpy(np.minimum(self.seq_len + 1, self.lengths[span] - cut) - 1)
-
-    def digest(self) -> str:
-        return self.key
-
-
-def encode_lines_as_bytes(lines: list[str], seq_len: int, pack: bool) -> ByteWindows:
-    """Byte-level examples. Every line is framed by newlines: b"\n" + line + b"\n".
-
-    The opening newline is the "start of line" the first byte is predicted from; the closing
-    newline teaches the model where a line ends (and where sampling stops).
-
-    pack=True: the framed lines form one stream, cut into windows of seq_len targets (only
-      the last is padded). Validation uses these fixed windows; training cuts the same stream
-      at a moving offset (ShiftingWindows).
-    pack=False: one line per example, right-padded. Real token counts then differ between
-      examples, between ranks and between micro-steps, which is what makes the choice of
-      loss normalization matter (see loss_scale).
-    Either way, a span longer than seq_len is cut into windows that overlap by one byte, so
-    every byte is a target exactly once; padded positions get IGNORE_INDEX.
-    """
-    return ByteWindows(Lines.from_texts(lines), seq_len, pack)
 
 
 def held_out(n: int, val_fraction: float, seed: int) -> np.ndarray:
@@ -2321,6 +2051,29 @@ def end_with_the_launcher() -> None:
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
 
 
+def rank_facts_from_env() -> tuple[int, int, int, int]:
+    """(rank, world size, local rank, local world size) as torchrun exported them, checked.
+
+    A leftover `export RANK=...` or a hand-made launch can set them inconsistently; that gets
+    one line now, not a ValueError from init_process_group or a wait for ranks that never come.
+    """
+    env = os.environ
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    shown = ", ".join(f"{n}={env[n]}" for n in names if n in env)
+    fix = "launch with torchrun (it sets them all), or unset them to run one process"
+    try:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local_rank = int(env.get("LOCAL_RANK", "0"))
+        local_world = int(env.get("LOCAL_WORLD_SIZE", str(world)))
+    except (KeyError, ValueError):
+        raise UsageError(f"rank variables incomplete or not integers ({shown}): {fix}") from None
+    if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
+        raise UsageError(f"rank variables are inconsistent ({shown}): {fix}")
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
+        raise UsageError(f"{shown} are set but MASTER_ADDR or MASTER_PORT is not: {fix}")
+    return rank, world, local_rank, local_world
+
+
 def rendezvous_store(timeout: timedelta) -> tuple[dist.Store | None, str | None]:
     """The key-value store the ranks meet in (None: let torch build it from MASTER_ADDR/PORT), and
     the launch this process belongs to (see launch_token).
@@ -3012,6 +2765,171 @@ class Tokens:
 
     def records(self) -> np.ndarray:
         return np.arange(len(self.offsets) - 1) if self.chosen is None else np.flatnonzero(self.chosen)
+
+
+# ----- the byte model's rows: windows of the corpus's byte stream, read from the token cache -----
+
+
+@dataclass(frozen=True)
+class Lines:
+    """A corpus of lines for the byte model, as the one byte stream packed_stream would make of
+    them, b"\\n" + b"\\n".join(lines) + b"\\n": the bytes are the tokens. Line i is
+    stream[edges[i] + 1 : edges[i + 1]], framed by the newlines at edges[i] and edges[i + 1].
+    `chosen` marks the lines this set uses (training or held out), kept in file order."""
+
+    stream: np.ndarray | FileArray  # uint8, read from the token cache (FileArray, section 10), or in memory
+    edges: np.ndarray | FileArray  # (N + 1,) the framing newlines' positions
+    key: str  # what the bytes are: the token cache's key, part of the training data's digest
+    chosen: np.ndarray | None = None  # bool, one per line; None: every line
+
+    @classmethod
+    def from_texts(cls, texts: list[str]) -> Lines:
+        encoded = [t.encode("utf-8") for t in texts]
+        stream = np.frombuffer(packed_stream(texts), dtype=np.uint8)
+        edges = np.concatenate([[0], np.cumsum([len(b) + 1 for b in encoded], dtype=np.int64)])
+        return cls(stream, edges, sha256(stream.tobytes()))
+
+    def __len__(self) -> int:
+        return len(self.edges) - 1 if self.chosen is None else int(self.chosen.sum())
+
+    fmt = "text"  # lines, as describe_records says it
+
+    def subset(self, chosen: np.ndarray) -> Lines:
+        return replace(self, chosen=chosen)
+
+    def lines(self) -> np.ndarray:
+        return np.arange(len(self.edges) - 1) if self.chosen is None else np.flatnonzero(self.chosen)
+
+    def digest(self, what: str) -> str:
+        chosen = b"" if self.chosen is None else np.packbits(self.chosen).tobytes()
+        return sha256(f"{self.key}:{what}:".encode() + chosen)
+
+
+def packed_stream(lines: list[str]) -> bytes:
+    """The lines as one byte stream, each framed by newlines (b"\n" + line + b"\n", sharing them)."""
+    return b"\n" + b"\n".join(line.encode("utf-8") for line in lines) + b"\n"
+
+
+class Pieces:
+    """The chosen lines read as packed_stream(those lines) would lay them out, without copying
+    them: each run of consecutive chosen lines is one piece of the corpus's stream."""
+
+    def __init__(self, corpus: Lines) -> None:
+        edges, n = corpus.edges, len(corpus.edges) - 1
+        chosen = np.ones(n, dtype=bool) if corpus.chosen is None else corpus.chosen
+        step = np.diff(np.concatenate([[False], chosen, [False]]).view(np.int8))  # +1 where a run opens, -1 after it
+        first, last = np.flatnonzero(step == 1), np.flatnonzero(step == -1) - 1
+        # A run is its lines, each with its closing newline; the first run also takes the newline before it.
+        self.starts = edges[first] + 1
+        self.starts[0] -= 1
+        self.cum = np.concatenate([[0], np.cumsum(edges[last + 1] + 1 - self.starts)])
+        self.stream = corpus.stream
+
+    def __len__(self) -> int:
+        return int(self.cum[-1])
+
+    def read(self, at: int, n: int) -> torch.Tensor:
+        """Bytes [at, at + n) of the laid-out stream (fewer at its end), as int64 token ids."""
+        end, piece, parts = min(at + n, len(self)), int(np.searchsorted(self.cum, at, side="right")) - 1, []
+        while at < end:  # a window crosses a piece's end where a held-out line was left out
+            take, start = min(end, int(self.cum[piece + 1])) - at, int(self.starts[piece]) + at - int(self.cum[piece])
+            parts.append(self.stream[start : start + take])
+            at, piece = at + take, piece + 1
+        return torch.from_numpy(np.concatenate(parts).astype(np.int64))
+
+
+class ShiftingWindows(Rows):
+    """Packed training data: one byte stream, cut into seq_len windows at an offset that moves
+    every epoch. Every window is full: no compute goes to padding.
+
+    A cut that never moved would put each byte at the same position of the same window in
+    every epoch, and a small model then memorizes "this byte at that position" instead of the
+    text, and fails on the same text anywhere else (as when sampling from a prompt). The offset
+    comes from --seed and the epoch: the same on every rank, and the same again on resume.
+    """
+
+    def __init__(self, corpus: Lines, seq_len: int, seed: int) -> None:
+        self.stream, self.seq_len, self.seed, self.offset = Pieces(corpus), seq_len, seed, 0
+        self.key = corpus.digest(f"windows:{seq_len}")
+
+    def __len__(self) -> int:
+        return max(0, (len(self.stream) - 1) // self.seq_len - 1)  # windows that fit at any offset
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        window = self.stream.read(self.offset + i * self.seq_len, self.seq_len + 1)
+        return window[:-1], window[1:]
+
+    def set_epoch(self, epoch: int) -> None:
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        self.offset = int(torch.randint(self.seq_len, (), generator=generator))
+
+    @property
+    def target_bytes(self) -> torch.Tensor:
+        return torch.full((len(self),), self.seq_len, dtype=torch.long)  # every window is full
+
+    def digest(self) -> str:
+        return self.key
+
+
+class ByteWindows(Rows):
+    """Fixed byte examples: each span of the stream cut into windows of seq_len targets that
+    overlap by one byte, so every byte is a target exactly once; only a span's last window is
+    padded. Spans are the chosen lines, each framed by its newlines (one line per example), or
+    the chosen lines laid end to end as one span (packed, as the held-out set is)."""
+
+    def __init__(self, corpus: Lines, seq_len: int, pack: bool) -> None:
+        self.stream, self.seq_len = Pieces(corpus), seq_len
+        if pack:
+            self.starts, self.lengths = np.array([0]), np.array([len(self.stream)])
+        else:  # line i spans edges[i] .. edges[i + 1], in the laid-out stream
+            self.stream = Pieces(Lines(corpus.stream, corpus.edges, corpus.key))
+            lines = corpus.lines()
+            self.starts, self.lengths = corpus.edges[lines], corpus.edges[lines + 1] + 1 - corpus.edges[lines]
+        self.cum = np.concatenate([[0], np.cumsum((self.lengths - 2) // seq_len + 1)])
+        self.key = corpus.digest(f"{'packed' if pack else 'lines'}:{seq_len}")
+
+    def __len__(self) -> int:
+        return int(self.cum[-1])
+
+    def window(self, i: int) -> tuple[int, int]:
+        span = int(np.searchsorted(self.cum, i, side="right")) - 1
+        cut = (i - int(self.cum[span])) * self.seq_len
+        return int(self.starts[span]) + cut, min(self.seq_len + 1, int(self.lengths[span]) - cut)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = self.stream.read(*self.window(i))
+        inputs = torch.zeros(self.seq_len, dtype=torch.long)
+        targets = torch.full((self.seq_len,), IGNORE_INDEX, dtype=torch.long)
+        inputs[: len(ids) - 1], targets[: len(ids) - 1] = ids[:-1], ids[1:]
+        return inputs, targets
+
+    @functools.cached_property
+    def target_bytes(self) -> torch.Tensor:
+        """Each row's targets: its window's bytes but the first."""
+        span = np.repeat(np.arange(len(self.lengths)), np.diff(self.cum))
+        cut = (np.arange(len(self)) - self.cum[span]) * self.seq_len
+        return torch.from_numpy(np.minimum(self.seq_len + 1, self.lengths[span] - cut) - 1)
+
+    def digest(self) -> str:
+        return self.key
+
+
+def encode_lines_as_bytes(lines: list[str], seq_len: int, pack: bool) -> ByteWindows:
+    """Byte-level examples. Every line is framed by newlines: b"\n" + line + b"\n".
+
+    The opening newline is the "start of line" the first byte is predicted from; the closing
+    newline teaches the model where a line ends (and where sampling stops).
+
+    pack=True: the framed lines form one stream, cut into windows of seq_len targets (only
+      the last is padded). Validation uses these fixed windows; training cuts the same stream
+      at a moving offset (ShiftingWindows).
+    pack=False: one line per example, right-padded. Real token counts then differ between
+      examples, between ranks and between micro-steps, which is what makes the choice of
+      loss normalization matter (see loss_scale).
+    Either way, a span longer than seq_len is cut into windows that overlap by one byte, so
+    every byte is a target exactly once; padded positions get IGNORE_INDEX.
+    """
+    return ByteWindows(Lines.from_texts(lines), seq_len, pack)
 
 
 class TokenRows(Rows):
