@@ -1,4 +1,5 @@
-"""The README's promises: its first screen, its first commands, its timings, and its offline chat example."""
+"""The README's promises: its first screen, its first commands, its offline chat example, the commands of the
+chapters under docs/, and every relative link in them."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from conftest import REPO, SCRIPT, assert_ok, run_cmd
 
 README = (REPO / "README.md").read_text(encoding="utf-8")
+DOCS = {path.name: path.read_text(encoding="utf-8") for path in sorted((REPO / "docs").glob("*.md"))}
 NOTEBOOK = (REPO / "ddp_walkthrough.ipynb").read_text(encoding="utf-8")
 FENCE = re.compile(r"^ *```(\w*)\n(.*?)^ *```$", re.M | re.S)  # indented too: inside a list item
 
@@ -42,9 +44,10 @@ def commands(block: str) -> list[str]:
 
 
 def script_commands() -> list[list[str]]:
-    """Every command in the README's bash blocks that runs the training script, as its arguments."""
+    """Every command in the bash blocks of the README and of docs/*.md that runs the training script, as its
+    arguments."""
     found = []
-    for block in blocks(README, "bash"):
+    for block in [b for text in (README, *DOCS.values()) for b in blocks(text, "bash")]:
         for command in commands(block):
             words = shlex.split(command.split("&&")[-1], comments=True)
             if "llm_ddp_parallel_training.py" in words:
@@ -95,18 +98,6 @@ def test_no_timing_is_a_bare_about_n_seconds_or_minutes():
         assert not bare.findall(text), (name, bare.findall(text))
 
 
-def test_the_waits_a_learner_meets_are_ranges_on_a_named_machine():
-    """The quick start, the test suite and the notebook: each duration as a range, with the machine."""
-    span = r"\d+(?:\.\d+)?–\d+(?:\.\d+)?"
-    quick_start = section("## Quick start")
-    assert re.search(rf"{span} s\b", quick_start), "the training run"
-    assert re.search(rf"{span} minutes\b", quick_start), "the test suite"
-    assert "AMD EPYC" in quick_start and "load average" in quick_start
-    notebook = README[README.index("**The notebook.**") :].split("\n\n")[0]
-    assert re.search(rf"{span} s\b", notebook) and "AMD EPYC" in notebook
-    assert re.search(rf"{span} s\b", NOTEBOOK) and "AMD EPYC" in NOTEBOOK
-
-
 def offline_chat_commands(tmp_path: Path) -> list[list[str]]:
     """The offline chat example's commands as the README writes them, with runs/ moved into tmp_path."""
     (block,) = blocks(section("### Try the chat path offline: a tiny Qwen2"), "bash")
@@ -145,3 +136,46 @@ def test_the_offline_chat_example_runs_as_the_readme_writes_it(tmp_path):
         if "tok/s" not in line:  # the step line's speed is the machine's own
             assert line in printed, line
     assert (tmp_path / "runs" / "tiny-qwen-chat" / "qwen_lora" / "adapter_model.safetensors").exists()
+
+
+def test_the_readme_stays_the_front_door():
+    """The manual lives in docs/; the README says what the script is, how to start, and where to read on."""
+    assert len(README.splitlines()) <= 450
+    assert all(f"(docs/{name})" in README for name in DOCS), "every chapter is in the README's index"
+
+
+LINK = re.compile(r"\]\(([^()\s]+)\)")  # the target of [text](target) and ![alt](target)
+
+
+def anchors(markdown: str) -> set[str]:
+    """The #fragments GitHub gives a page's headings: lower case, punctuation dropped, spaces to hyphens, and
+    -1, -2, ... after a repeated one."""
+    seen: dict[str, int] = {}
+    for line in re.sub(r"^ *```.*?^ *```$", "", markdown, flags=re.M | re.S).splitlines():
+        if heading := re.match(r"#{1,6} (.+)", line):
+            slug = re.sub(r"[^\w\- ]", "", heading[1].strip().lower()).replace(" ", "-")
+            seen[slug] = seen.get(slug, -1) + 1
+            if seen[slug]:
+                seen[f"{slug}-{seen[slug]}"] = 0
+    return set(seen)
+
+
+def relative_links(markdown: str) -> list[str]:
+    """Every link target outside code that is not a URL with a scheme (http:, mailto:, ...)."""
+    prose = re.sub(r"`[^`]*`", "", re.sub(r"^ *```.*?^ *```$", "", markdown, flags=re.M | re.S))
+    return [target for target in LINK.findall(prose) if not re.match(r"[a-z][a-z0-9+.-]*:", target)]
+
+
+def test_every_relative_link_in_the_readme_and_docs_resolves():
+    pages = {REPO / "README.md": README} | {REPO / "docs" / name: text for name, text in DOCS.items()}
+    checked, broken = 0, []
+    for page, text in pages.items():
+        for target in relative_links(text):
+            path, _, fragment = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            checked += 1
+            if not file.is_relative_to(REPO) or not file.exists():
+                broken.append(f"{page.relative_to(REPO)}: {target} (no such file)")
+            elif fragment and file.suffix == ".md" and fragment not in anchors(file.read_text(encoding="utf-8")):
+                broken.append(f"{page.relative_to(REPO)}: {target} (no such heading)")
+    assert checked > 50 and not broken, "\n".join(broken)
