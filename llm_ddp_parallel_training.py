@@ -94,6 +94,7 @@ if TYPE_CHECKING:  # type hints only: the tiny path never imports transformers
     from transformers import PreTrainedTokenizerBase
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent / "corpus.txt"
+DEFAULT_OUTPUT_DIR = Path("outputs")  # every run that names no --output-dir shares it
 TINY_FINAL = "tiny_transformer.pt"  # the trained tiny model, in OUTPUT_DIR
 IGNORE_INDEX = -100  # target id that cross-entropy skips: padding never counts in the loss
 NEWLINE = 10  # the byte that opens and closes every line for the byte-level model
@@ -211,7 +212,7 @@ class RunConfig:
                       "same as hf", "run", choices=["tiny", "hf", "qwen"])  # fmt: skip
     corpus_file: Path = flag(DEFAULT_CORPUS, "UTF-8 text, one training sample per line (blank lines skipped), "
                              "or .jsonl records", type=Path)  # fmt: skip
-    output_dir: Path = flag(Path("outputs"), "where rank 0 writes", type=Path)
+    output_dir: Path = flag(DEFAULT_OUTPUT_DIR, "where rank 0 writes", type=Path)
     seed: int = flag(1337, "init, shuffle and split; dropout adds the rank", type=Within(int, 0, 2**63 - 1))
     seq_len: int = flag(128, "tokens per example (bytes for tiny)", type=POSITIVE)
     pack: bool | None = flag(None, "pack examples into full rows (default: on for tiny, off for hf); --no-pack: one "
@@ -739,7 +740,9 @@ def build_tiny_kit(cfg: RunConfig, d: Dist, lines: Lines, val_lines: Lines) -> M
 
     def save_final(raw: nn.Module, step: int, whole: dict | None = None) -> Path:
         path = cfg.output_dir / TINY_FINAL
-        atomic_torch_save({"model": whole or raw.state_dict(), "config": asdict(config), "step": step}, path)
+        buffer = io.BytesIO()
+        torch.save({"model": whole or raw.state_dict(), "config": asdict(config), "step": step}, buffer)
+        atomic_write(path, buffer.getvalue())
         return path
 
     return ModelKit(
@@ -1227,7 +1230,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
             **val,
             **sent_in_buckets(cfg, d, *sent),
         }
-        reporter.step_done(metrics, int(global_tokens), step_seconds, steps_per_epoch, side.timer)
+        reporter.step_done(metrics, int(global_tokens), step_seconds, steps_per_epoch, side)
         if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.max_steps):
             saver.save(model, named_params, optimizer, scaler, progress)
     if all_reduce_sum(d, [reporter.failure is not None])[0]:  # the last step's write, which no vote followed
@@ -3941,7 +3944,7 @@ def check_lora_targets(model: nn.Module, targets: tuple[str, ...]) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# 12. Sync reports: how the gradients travel, what sharding cannot do, whole tensors from shards
+# 12. Reports and checks: how gradients travel, the whole state from shards, --inspect, --verify-sync
 # ----------------------------------------------------------------------------------------------
 
 
@@ -3959,36 +3962,22 @@ def describe_gradient_sync(cfg: RunConfig, d: Dist) -> str:
     return sync
 
 
-def describe_sharding(cfg: RunConfig, d: Dist) -> str | None:
-    if cfg.sharding != "none" and not d.distributed:
-        return f"[run] --sharding {cfg.sharding}: one process holds the whole model, there is nothing to shard"
-    return None
-
-
 def cannot_shard_fully(cfg: RunConfig) -> str | None:
     """Flags --sharding full cannot honour (yet), each named, before any rank trains."""
     if cfg.gradient_checkpointing and cfg.ddp == "manual":
-        return (
-            "--gradient-checkpointing with --sharding full --ddp manual: the from-scratch FSDP does not "
-            "re-gather a unit that checkpointing re-runs inside backward; use --ddp torch"
-        )
+        return ("--gradient-checkpointing with --sharding full --ddp manual: the from-scratch FSDP does not "
+                "re-gather a unit that checkpointing re-runs inside backward; use --ddp torch")  # fmt: skip
     if cfg.precision == "fp16":
-        return (
-            "--precision fp16 with --sharding full: an overflow would show in one rank's shard only, and the "
-            "ranks would skip different steps; use --precision bf16 or fp32"
-        )
+        return ("--precision fp16 with --sharding full: an overflow would show in one rank's shard only, and the "
+                "ranks would skip different steps; use --precision bf16 or fp32")  # fmt: skip
     if cfg.inject_fault and cfg.inject_fault.kind == "desync":
-        return (
-            "--inject-fault desync with --sharding full: there are no replicas to drift apart (each rank updates "
-            "its own shard only), so no check could tell a wrong shard from a right one"
-        )
+        return ("--inject-fault desync with --sharding full: there are no replicas to drift apart (each rank updates "
+                "its own shard only), so no check could tell a wrong shard from a right one")  # fmt: skip
     if cfg.grad_compression != "none":
         return "--grad-compression compresses DDP's all-reduce; --sharding full reduce-scatters instead: drop it"
     if cfg.trace_steps and cfg.ddp == "torch":
-        return (
-            "--trace-steps with --sharding full --ddp torch: fully_shard's all-gathers and reduce-scatters "
-            "run out of the timeline's sight; --ddp manual traces its own"
-        )
+        return ("--trace-steps with --sharding full --ddp torch: fully_shard's all-gathers and reduce-scatters "
+                "run out of the timeline's sight; --ddp manual traces its own")  # fmt: skip
     return None
 
 
@@ -4008,14 +3997,6 @@ def optimizer_state_tensors(named_params: list, optimizer: torch.optim.Optimizer
             for k, v in optimizer.state.get(p, {}).items() if torch.is_tensor(v)]  # fmt: skip
 
 
-def describe_optimizer_share(named_params: list, optimizer: torch.optim.Optimizer) -> list[str]:
-    mine = {p for group in optimizer.optim.param_groups for p in group["params"]}
-    owned = [(n, p) for n, p in named_params if p in mine]
-    numbers = sum(p.numel() for _, p in owned)
-    names = ", ".join(n for n, _ in owned[:4]) + (f", ... ({len(owned)} tensors)" if len(owned) > 4 else "")
-    return [f"optimizer state of {numbers:,} of {sum(p.numel() for _, p in named_params):,} weights: {names}"]
-
-
 def to_cpu(tree: object) -> object:
     """Every tensor of a state (dicts and lists of them) on the CPU, where rank 0 writes it from."""
     if torch.is_tensor(tree):
@@ -4030,11 +4011,6 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-# ----------------------------------------------------------------------------------------------
-# 13. Check: replica fingerprints (--verify-sync), the learner's report (--inspect), the timeline (--trace-steps)
-# ----------------------------------------------------------------------------------------------
-
-
 def all_gather_tensor(d: Dist, t: torch.Tensor) -> list[torch.Tensor]:
     if not d.distributed:
         return [t]
@@ -4045,25 +4021,22 @@ def all_gather_tensor(d: Dist, t: torch.Tensor) -> list[torch.Tensor]:
 
 
 def verify_replicas_agree(d: Dist, step: int, when: str, named: list[tuple[str, torch.Tensor]]) -> None:
-    """Every rank must hold bit-identical tensors: compare a cheap fingerprint of each.
-
-    The fingerprint (fp64 sum and sum of squares) is two numbers per tensor, so the check costs
-    one small all-gather. All ranks see every fingerprint, so all stop together on a mismatch.
-    Fingerprints are compared as bit patterns: with fp16 an overflowing step is routine (the
-    scaler skips it), and its NaN sums are identical on every rank but never equal as numbers.
-    """
+    """Every rank must hold bit-identical tensors: compare a fingerprint of each (its fp64 sum and sum
+    of squares), two numbers a tensor in one small all-gather; every rank sees every fingerprint, so
+    all stop together. Compared as bit patterns: an fp16 step that overflows is routine (the scaler
+    skips it), and its NaN sums, identical on every rank, are never equal as numbers."""
     if not named:  # every gradient is sharded: nothing is replicated to compare
         return
     fingerprint = torch.stack([torch.stack([t.double().sum(), t.double().square().sum()]) for _, t in named]).cpu()
     ranks = [fp.view(torch.int64) for fp in all_gather_tensor(d, fingerprint)]
     for i, (name, _) in enumerate(named):
-        differ = [r for r, fp in enumerate(ranks) if not torch.equal(fp[i], ranks[0][i])]
-        if differ:
+        if differ := [r for r, fp in enumerate(ranks) if not torch.equal(fp[i], ranks[0][i])]:
             values = ", ".join(f"rank {r} sum {ranks[r][i].view(torch.float64)[0].item():.9g}" for r in [0, *differ])
-            raise TrainingError(
-                f"replicas diverged at step {step} ({when}): first differing tensor {name}; "
-                f"rank(s) {differ} differ from rank 0 ({values})"
-            )
+            raise TrainingError(f"replicas diverged at step {step} ({when}): first differing tensor {name}; "
+                                f"rank(s) {differ} differ from rank 0 ({values})")  # fmt: skip
+
+
+INSPECT_STEPS = 3  # --inspect reports this many steps in detail
 
 
 def print_in_rank_order(d: Dist, lines: list[str]) -> None:
@@ -4072,13 +4045,12 @@ def print_in_rank_order(d: Dist, lines: list[str]) -> None:
     if d.distributed:
         gathered = [[] for _ in range(d.world_size)]
         dist.all_gather_object(gathered, lines)
-    if d.is_main:
-        for rank, rank_lines in enumerate(gathered):
-            for line in rank_lines:
-                say(f"[inspect] rank {rank}: {line}")
+    for rank, rank_lines in enumerate(gathered if d.is_main else []):
+        for line in rank_lines:
+            say(f"[inspect] rank {rank}: {line}")
 
 
-def describe_shards(d: Dist, sampler: DistributedSampler) -> list[str]:
+def describe_shards(sampler: DistributedSampler) -> list[str]:
     lines = []
     for epoch in (0, 1):
         sampler.set_epoch(epoch)
@@ -4087,51 +4059,91 @@ def describe_shards(d: Dist, sampler: DistributedSampler) -> list[str]:
     return lines
 
 
-def describe_buckets(stats: CommStats) -> list[str]:
-    lines = []
+def describe_optimizer_share(named_params: list, optimizer: torch.optim.Optimizer) -> list[str]:
+    mine = {p for group in optimizer.optim.param_groups for p in group["params"]}
+    owned = [(n, p) for n, p in named_params if p in mine]
+    names = ", ".join(n for n, _ in owned[:4]) + (f", ... ({len(owned)} tensors)" if len(owned) > 4 else "")
+    total = sum(p.numel() for _, p in named_params)
+    return [f"optimizer state of {sum(p.numel() for _, p in owned):,} of {total:,} weights: {names}"]
+
+
+def log_buckets(d: Dist, stats: CommStats, heading: str) -> None:
+    log(d, heading)
     for i, (nbytes, names) in enumerate(stats.layout):
         shown = ", ".join(names[:4]) + (f", ... ({len(names)} tensors)" if len(names) > 4 else "")
-        lines.append(f"bucket {i}: {nbytes / 2**20:.3f} MiB: {shown}")
-    return lines
+        log(d, f"[inspect]   bucket {i}: {nbytes / 2**20:.3f} MiB: {shown}")
 
 
 def describe_local_gradient(stats: CommStats, named_params: list[tuple[str, nn.Parameter]]) -> str:
     """Compare the gradient this rank computed (before the all-reduce) with the average."""
     local_sq = avg_sq = dot = 0.0
     for name, p in named_params:
-        local = stats.local_grads.get(name) if stats.local_grads else None
-        if local is None or p.grad is None:
-            continue
-        local_sq += local.double().square().sum().item()
-        avg_sq += p.grad.double().square().sum().item()
-        dot += (local.double() * p.grad.double()).sum().item()
+        if (local := stats.local_grads.get(name)) is not None and p.grad is not None:
+            local_sq += local.double().square().sum().item()
+            avg_sq += p.grad.double().square().sum().item()
+            dot += (local.double() * p.grad.double()).sum().item()
     cosine = dot / math.sqrt(local_sq * avg_sq) if local_sq and avg_sq else float("nan")
-    return (
-        f"local grad norm {math.sqrt(local_sq):.4f} before sync, averaged {math.sqrt(avg_sq):.4f} after, "
-        f"cosine(local, averaged) {cosine:.3f}"
-    )
+    return (f"local grad norm {math.sqrt(local_sq):.4f} before sync, averaged {math.sqrt(avg_sq):.4f} after, "
+            f"cosine(local, averaged) {cosine:.3f}")  # fmt: skip
+
+
+def report_inspect_step(cfg: RunConfig, d: Dist, step: int, stats: CommStats, sent: tuple[int, int],
+                        named_params: list, local_loss_sum: float, micro_tokens: list[int]) -> None:  # fmt: skip
+    """The first steps through the eyes of each rank: its loss, its tokens, its gradient."""
+    local_tokens = sum(micro_tokens)
+    # Both normalizations of this very step: the exact global mean, and the mean of per-rank means.
+    loss_total, means_total, global_tokens = all_reduce_sum(d, [local_loss_sum, local_loss_sum / local_tokens,
+                                                                local_tokens])  # fmt: skip
+    bucketed = bool(stats.local_grads)  # DDP's buckets; under --sharding full there are none to show
+    if step == 1 and bucketed:
+        log_buckets(d, stats, "[inspect] gradient buckets at step 1 (a bucket is all-reduced as soon as all its "
+                              "gradients are ready):")  # fmt: skip
+    local = f"step {step}: local loss {local_loss_sum / local_tokens:.4f} over {local_tokens} tokens " \
+            f"({'+'.join(map(str, micro_tokens))} in {len(micro_tokens)} micro-step(s))"  # fmt: skip
+    print_in_rank_order(d, [local, *([f"step {step}: {describe_local_gradient(stats, named_params)}"] * bucketed)])
+    log(d, f"[inspect] step {step}: global-token mean loss {loss_total / global_tokens:.4f} over "
+           f"{int(global_tokens)} tokens; mean of per-rank means {means_total / d.world_size:.4f}; this step "
+           f"all-reduced {sent[0]} bucket(s), {sent[1] / 2**20:.3f} MiB ({cfg.loss_normalization} normalization "
+           "is training)")  # fmt: skip
+    if stats.layout_changed:
+        log_buckets(d, stats, "[inspect] DDP rebuilt its buckets after step 1 (in the order gradients arrived):")
+        stats.layout_changed = False
+
+
+# ----------------------------------------------------------------------------------------------
+# 13. Timeline: every rank's first --trace-steps steps on one clock, as a trace file and a picture
+# ----------------------------------------------------------------------------------------------
 
 
 Span = tuple[str, float, float, dict]  # (name, start, end, args): seconds on one rank's clock
 
 
+# What a timeline draws on its communication lanes: DDP's all-reduces; FSDP's all-gathers of
+# weights (before forward and again before backward) and reduce-scatters of gradients.
+COMMUNICATION = ("all-reduce", "all-gather", "reduce-scatter")
+PHASE_COLOURS = {"data": "#b0b0b0", "forward": "#4c72b0", "backward": "#55a868", "sync": "#dd8452",
+                 "optimizer": "#8172b3", "all-reduce": "#c44e52", "all-gather": "#937860",
+                 "reduce-scatter": "#da8bc3"}  # fmt: skip
+
+
 class Timeline:
-    """--trace-steps N: what every rank did, and when, during its first N optimizer steps.
+    """--trace-steps N: what every rank did, and when, during its first N optimizer steps (of this
+    attempt: a resumed run traces from where it resumed).
 
-    The loop's phase marks (the same ones --time-breakdown uses) become spans: data, forward,
-    backward, sync, optimizer, inside a "step K" span. The all-reduce of each bucket is a span
-    from the moment the DDP wrapper hands it over until its result is ready, taken in the
-    wrapper's own hook, so it runs beside backward on the timeline, as it does in the process.
-    "backward" ends when the last parameter's gradient is ready; torch's DDP then waits inside
-    backward() for the buckets still in flight, and that wait shows as "sync".
+    The loop's phase marks (the ones --time-breakdown uses) become spans: data, forward, backward,
+    sync, optimizer, inside a "step K" span. Each bucket's all-reduce is a span from the moment the
+    wrapper hands it over until its result is ready, taken in the wrapper's own hook, so it runs
+    beside backward, as in the process. "backward" ends when the last parameter's gradient is
+    ready; torch's DDP then waits inside backward() for the buckets in flight: that wait is "sync".
+    It hooks the parameters before the DDP wrapper does: hooks run in the order they were
+    registered, so the last gradient is stamped before the wrapper launches the last bucket.
 
-    On a GPU a mark is a CUDA event, not a clock reading: the host runs ahead of the device, and
-    an event records when the *device* got there. Each traced step starts with one synchronize,
-    to pin the events to this rank's clock, and ends with another to read them. Off (N = 0)
-    there is no Timeline at all.
+    On a GPU a mark is a CUDA event, not a clock reading: the host runs ahead of the device, and an
+    event records when the *device* got there. Each traced step starts with a synchronize, to pin
+    the events to this rank's clock, and ends with another to read them.
     """
 
-    def __init__(self, last_step: int, device: torch.device) -> None:
+    def __init__(self, last_step: int, device: torch.device, params: list[nn.Parameter] = ()) -> None:
         self.last_step, self.cuda = last_step, device.type == "cuda"
         self.on, self.step = False, 0  # recording the current step, and which
         self.spans: list[Span] = []
@@ -4140,6 +4152,8 @@ class Timeline:
         self.phase_start: object = 0.0
         self.last_gradient: object | None = None
         self.anchor: tuple[float, torch.cuda.Event] | None = None
+        for p in params:
+            p.register_post_accumulate_grad_hook(self.gradient_ready)
 
     def now(self) -> object:
         if not self.cuda:
@@ -4168,8 +4182,10 @@ class Timeline:
     def phase(self, name: str) -> None:
         now = self.now()
         if name == "backward" and self.last_gradient is not None:
-            self.pending.append(("backward", self.phase_start, self.last_gradient, {}))
-            self.pending.append(("sync", self.last_gradient, now, {}))
+            self.pending += [
+                ("backward", self.phase_start, self.last_gradient, {}),
+                ("sync", self.last_gradient, now, {}),
+            ]
         else:
             self.pending.append((name, self.phase_start, now, {}))
         self.phase_start, self.last_gradient = now, None
@@ -4194,27 +4210,10 @@ class Timeline:
         self.on, self.pending = False, []
 
 
-def start_timeline(cfg: RunConfig, d: Dist, params: list[nn.Parameter], first_step: int) -> Timeline | None:
-    """The first --trace-steps steps of this attempt (a resumed run traces from where it resumed).
-
-    Call it before the DDP wrapper hooks the parameters: hooks run in the order they were
-    registered, so the last gradient is stamped before the wrapper launches the last bucket.
-    """
-    if not cfg.trace_steps:
-        return None
-    timeline = Timeline(first_step + cfg.trace_steps, d.device)
-    for p in params:
-        p.register_post_accumulate_grad_hook(timeline.gradient_ready)
-    return timeline
-
-
 def clock_offsets(d: Dist, rounds: int = 9) -> list[float]:
-    """What to add to each rank's clock to read rank 0's (seconds).
-
-    Each round, all ranks leave a barrier together and read their clocks at once: rank 0's
-    reading minus rank r's is r's offset, give or take how unevenly the barrier released
-    them. The median of a few rounds drops the rounds a scheduler hiccup spoiled.
-    """
+    """What to add to each rank's clock to read rank 0's (seconds). Each round, all ranks leave a
+    barrier together and read their clocks: rank 0's reading minus rank r's is r's offset, give or
+    take how unevenly the barrier released them; the median drops the rounds a hiccup spoiled."""
     if not d.distributed:
         return [0.0]
     readings = []
@@ -4238,77 +4237,120 @@ def collect_trace(d: Dist, timeline: Timeline, offsets: list[float]) -> list[lis
     ]
 
 
-def union_seconds(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[tuple[float, float]] = []
-    for a, b in sorted(intervals):
-        if merged and a <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
-        else:
-            merged.append((a, b))
-    return merged
-
-
 def hidden_fraction(spans: list[Span]) -> float | None:
     """Of the time one rank had communication in flight, the share its forward or backward was
-    computing (DDP's all-reduces run beside backward; FSDP's prefetched all-gathers beside forward too).
+    computing (DDP's all-reduces run beside backward; FSDP's prefetched all-gathers beside forward
+    too). That time is free: the wire works while the cores compute. The rest is waited for."""
 
-    That time is free: the wire works while the cores compute. The rest is waited for.
-    """
-    comm = union_seconds([(a, b) for n, a, b, _ in spans if n in COMMUNICATION])
-    compute = union_seconds([(a, b) for n, a, b, _ in spans if n in ("forward", "backward")])
+    def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+        merged: list[tuple[float, float]] = []
+        for a, b in sorted(intervals):
+            if merged and a <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+            else:
+                merged.append((a, b))
+        return merged
+
+    comm = union([(a, b) for n, a, b, _ in spans if n in COMMUNICATION])
+    compute = union([(a, b) for n, a, b, _ in spans if n in ("forward", "backward")])
     total = sum(b - a for a, b in comm)
-    if not total:
-        return None
-    hidden = sum(max(0.0, min(b, d) - max(a, c)) for a, b in comm for c, d in compute)
-    return hidden / total
+    return sum(max(0.0, min(b, d) - max(a, c)) for a, b in comm for c, d in compute) / total if total else None
 
 
-INSPECT_STEPS = 3  # --inspect reports this many steps in detail
+def hidden_shares(ranks: list[list[Span]]) -> str:
+    """Each rank's hidden fraction, as the summary and the timeline's title both show it."""
+    hidden = [hidden_fraction(spans) for spans in ranks]
+    return ", ".join(f"rank {r} {100 * h:.0f}%" for r, h in enumerate(hidden) if h is not None)
 
 
-def report_inspect_step(
-    cfg: RunConfig,
-    d: Dist,
-    step: int,
-    stats: CommStats,
-    sent: tuple[int, int],
-    named_params: list[tuple[str, nn.Parameter]],
-    local_loss_sum: float,
-    micro_tokens: list[int],
-) -> None:
-    """The first steps through the eyes of each rank: its loss, its tokens, its gradient."""
-    local_tokens = sum(micro_tokens)
-    # Both normalizations of this very step: the exact global mean, and the mean of per-rank means.
-    loss_total, means_total, global_tokens = all_reduce_sum(
-        d, [local_loss_sum, local_loss_sum / local_tokens, local_tokens]
-    )
-    bucketed = bool(stats.local_grads)  # DDP's buckets; under --sharding full there are none to show
-    if step == 1 and bucketed:
-        log(d, "[inspect] gradient buckets at step 1 (a bucket is all-reduced as soon as all its gradients are ready):")
-        log(d, "\n".join(f"[inspect]   {line}" for line in describe_buckets(stats)))
-    calls, nbytes = sent
-    print_in_rank_order(
-        d,
-        [
-            f"step {step}: local loss {local_loss_sum / local_tokens:.4f} over {local_tokens} tokens "
-            f"({'+'.join(map(str, micro_tokens))} in {len(micro_tokens)} micro-step(s))",
-            *([f"step {step}: {describe_local_gradient(stats, named_params)}"] if bucketed else []),
-        ],
-    )
-    log(
-        d,
-        f"[inspect] step {step}: global-token mean loss {loss_total / global_tokens:.4f} over {int(global_tokens)} "
-        f"tokens; mean of per-rank means {means_total / d.world_size:.4f}; this step all-reduced {calls} "
-        f"bucket(s), {nbytes / 2**20:.3f} MiB ({cfg.loss_normalization} normalization is training)",
-    )
-    if stats.layout_changed:
-        log(d, "[inspect] DDP rebuilt its buckets after step 1 (in the order gradients arrived):")
-        log(d, "\n".join(f"[inspect]   {line}" for line in describe_buckets(stats)))
-        stats.layout_changed = False
+def describe_overlap(ranks: list[list[Span]]) -> str:
+    """What the trace shows of communication hidden behind compute, for the summary."""
+    if len(ranks) == 1:
+        return "none (one process: nothing to synchronise)"
+    if not (per_rank := hidden_shares(ranks)):
+        return "none traced (no traced step synchronised gradients)"
+    steps = sum(name.startswith("step ") for name, *_ in ranks[0])
+    if any(name == "all-gather" for name, *_ in ranks[0]):
+        return (f"hidden behind forward and backward: {per_rank} of the time an all-gather or reduce-scatter "
+                f"was in flight ({steps} traced steps)")  # fmt: skip
+    return f"hidden behind backward: {per_rank} of the time a bucket was in flight ({steps} traced steps)"
+
+
+def communication_lanes(spans: list[Span]) -> list[tuple[Span, int]]:
+    """The communication spans in time order, each with a lane, so spans sharing a lane never
+    overlap: a bucket handed over while the previous one is still in flight waits its turn on the
+    wire, and lane by lane the timeline shows how deep that queue got."""
+    ends: list[float] = []
+    placed = []
+    for span in sorted((s for s in spans if s[0] in COMMUNICATION), key=lambda s: s[1]):
+        lane = next((i for i, end in enumerate(ends) if end <= span[1]), len(ends))
+        ends[lane : lane + 1] = [span[2]]
+        placed.append((span, lane))
+    return placed
+
+
+def write_trace(cfg: RunConfig, ranks: list[list[Span]]) -> Path | None:
+    """The Chrome Trace Event Format (Perfetto, chrome://tracing): one process per rank, its compute
+    spans on one thread, its communication on as many threads as were in flight at once."""
+    if not any(ranks):
+        return None  # stopped before the first step ended
+    t0 = min(a for spans in ranks for _, a, _, _ in spans)
+    events: list[dict] = []
+    for rank, spans in enumerate(ranks):
+        comm = communication_lanes(spans)
+        names = {0: "compute"} | {1 + lane: "communication" for _, lane in comm}
+        events += [
+            {"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}},
+            {"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}},
+        ]
+        events += [
+            {"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name}}
+            for tid, name in sorted(names.items())
+        ]
+        placed = [(s, 0) for s in spans if s[0] not in COMMUNICATION] + [(s, 1 + lane) for s, lane in comm]
+        events += [{"name": name, "cat": "communication" if tid else "step" if name.startswith("step ") else "compute",
+                    "ph": "X", "ts": round((a - t0) * 1e6, 3), "dur": round((b - a) * 1e6, 3),  # microseconds
+                    "pid": rank, "tid": tid, "args": args} for (name, a, b, args), tid in placed]  # fmt: skip
+    path = cfg.output_dir / "trace.json"
+    atomic_write(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}).encode())
+    return path
+
+
+def timeline_figure(plt: object, cfg: RunConfig, ranks: list[list[Span]]) -> object:
+    """The traced steps as a picture: a lane per rank, compute above, communication below it, each
+    step's start marked and labelled, and each rank's hidden share in the title."""
+    t0 = min(a for spans in ranks for _, a, _, _ in spans)
+    fig, ax = plt.subplots(figsize=(11, 1.4 + 1.1 * len(ranks)), layout="constrained")
+    for rank, spans in enumerate(ranks):
+        top = len(ranks) - 1 - rank  # rank 0 on top
+        for name, a, b, _ in spans:
+            if name in PHASE_COLOURS and name not in COMMUNICATION:
+                ax.broken_barh([(1000 * (a - t0), 1000 * (b - a))], (top + 0.5, 0.4), color=PHASE_COLOURS[name])
+            elif name.startswith("step "):
+                ax.axvline(1000 * (a - t0), color="black", lw=0.5, alpha=0.3)
+                if rank == 0:  # one label per step, above the top lane
+                    ax.text(1000 * (a - t0), len(ranks), f" {name}", va="bottom", fontsize=7)
+        comm = communication_lanes(spans)
+        height = 0.4 / (max((lane for _, lane in comm), default=0) + 1)
+        for (name, a, b, _), lane in comm:
+            y = top + 0.5 - (lane + 1) * height
+            ax.broken_barh([(1000 * (a - t0), 1000 * (b - a))], (y, height * 0.9), color=PHASE_COLOURS[name], alpha=0.8)
+    ax.set_yticks([len(ranks) - 1 - r + 0.5 for r in range(len(ranks))], [f"rank {r}" for r in range(len(ranks))])
+    ax.set_ylim(0, len(ranks))
+    ax.set_xlabel("milliseconds (one clock for every rank)")
+    shares, sharded = hidden_shares(ranks), cfg.sharding == "full"
+    note = f"\n{'communication hidden behind compute' if sharded else 'all-reduce hidden behind backward'}: {shares}"
+    how = "--sharding full" if sharded else f"{cfg.bucket_mb:g} MiB buckets"
+    ax.set_title(f"{cfg.model} model, --ddp {cfg.ddp}, {how}{note if shares else ''}", fontsize=10, pad=14)
+    drawn = {name for spans in ranks for name, *_ in spans}
+    shown = {k: c for k, c in PHASE_COLOURS.items() if k not in COMMUNICATION or k in drawn}
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in shown.values()]
+    fig.legend(handles, list(shown), loc="outside lower center", ncol=len(shown), frameon=False)
+    return fig
 
 
 # ----------------------------------------------------------------------------------------------
-# 14. Step side work: warmup, precision, faults on purpose, phase timers, stop requests
+# 14. Step side work: warmup, precision, faults on purpose, the step's side work, stop requests
 # ----------------------------------------------------------------------------------------------
 
 
@@ -4325,13 +4367,11 @@ def warmup_steps(cfg: RunConfig) -> int:
 
 
 def describe_warmup(cfg: RunConfig) -> str | None:
-    warmup = warmup_steps(cfg)
-    if warmup == cfg.warmup_steps:
+    if (warmup := warmup_steps(cfg)) == cfg.warmup_steps:
         return None
-    return (
-        f"[run] --warmup-steps {cfg.warmup_steps} is more than half of this run's {cfg.max_steps} steps: warming "
-        f"up for {warmup} step{'s' if warmup > 1 else ''} instead (a tenth of the run), then cosine decay to --min-lr"
-    )
+    return (f"[run] --warmup-steps {cfg.warmup_steps} is more than half of this run's {cfg.max_steps} steps: warming "
+            f"up for {warmup} step{'s' if warmup > 1 else ''} instead (a tenth of the run), then cosine decay to "
+            "--min-lr")  # fmt: skip
 
 
 def choose_precision(cfg: RunConfig, d: Dist) -> str:
@@ -4346,22 +4386,18 @@ def choose_precision(cfg: RunConfig, d: Dist) -> str:
 def warn_if_bf16_is_emulated(cfg: RunConfig, d: Dist) -> None:
     """bf16 on a CPU without bf16 instructions (AVX2-only x86, say) is emulated, and nothing else
     would say so: on a 2-core AVX2-only AMD EPYC, one rank of the tiny model (d 512) trained at 96
-    tokens/s in bf16 against about 3,300 in fp32."""
+    tokens/s in bf16 against about 3,300 in fp32. oneDNN answers whether it lacks them (honouring
+    a cap such as ONEDNN_MAX_CPU_ISA=AVX2); a build without oneDNN is timed."""
     wants_bf16 = cfg.precision == "bf16" or (cfg.model == "hf" and cfg.dtype == "bfloat16")
-    if d.is_main and d.device.type == "cpu" and wants_bf16 and cpu_emulates_bf16():
-        say(
-            f"[run] warning: this CPU has no bf16 instructions: bf16 is emulated here, {cpu_bf16_slowdown():.0f}x "
-            "slower than fp32 in a 256x256 matmul just now; --precision fp32 is faster"
-        )
-
-
-def cpu_emulates_bf16() -> bool:
-    """Whether torch's CPU kernels (oneDNN) lack bf16 instructions on this CPU. oneDNN's own answer,
-    which also honours a cap such as ONEDNN_MAX_CPU_ISA=AVX2; a build without oneDNN is timed."""
+    if not (d.is_main and d.device.type == "cpu" and wants_bf16):
+        return
     try:
-        return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        emulated = not torch.ops.mkldnn._is_mkldnn_bf16_supported()
     except (AttributeError, RuntimeError):
-        return cpu_bf16_slowdown() > 3
+        emulated = cpu_bf16_slowdown() > 3
+    if emulated:
+        say(f"[run] warning: this CPU has no bf16 instructions: bf16 is emulated here, {cpu_bf16_slowdown():.0f}x "
+            "slower than fp32 in a 256x256 matmul just now; --precision fp32 is faster")  # fmt: skip
 
 
 def cpu_bf16_slowdown(n: int = 256, repeats: int = 3) -> float:
@@ -4388,27 +4424,20 @@ def autocast_for(precision: str, d: Dist) -> contextlib.AbstractContextManager:
 
 
 def check_gradients_arrived(model: nn.Module, d: Dist) -> None:
-    """After the first backward some trainable weight must have a non-zero gradient.
-
-    Catches the silent failure where nothing learns: a frozen input to a checkpointed block,
-    adapters attached to layers the forward never uses. (LoRA's A gets exactly zero gradient
-    at step 1, because B starts at zero; B's gradient is what shows the path works.) Asked of
-    every rank together: under sharding each holds only its own slice of the gradient.
-    """
+    """After the first backward some trainable weight must have a non-zero gradient. This catches the
+    silent failure where nothing learns: a frozen input to a checkpointed block, adapters attached to
+    layers the forward never uses. (LoRA's A gets exactly zero gradient at step 1, because B starts at
+    zero; B's shows the path works.) Asked of every rank: under sharding each holds a slice."""
     grads = [local_part(p.grad) for p in model.parameters() if p.requires_grad and p.grad is not None]
     if not all_reduce_sum(d, [any(bool(g.any()) for g in grads)])[0]:
         raise TrainingError("no gradient reached the trainable weights at step 1: nothing would learn")
 
 
 def due_fault(cfg: RunConfig, d: Dist, step: int) -> str | None:
-    """The fault --inject-fault asks of this rank at this step, on the first attempt only.
-
-    torchrun counts restarts in TORCHELASTIC_RESTART_COUNT; a restarted group must be able to
-    pass the step that killed its predecessor, or it would die there for ever.
-    """
+    """The fault --inject-fault asks of this rank at this step, on the first attempt only: a group
+    torchrun restarted must pass the step that killed its predecessor, or die there for ever."""
     plan = cfg.inject_fault
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    if plan and plan.rank == d.rank and plan.step == step and first_attempt:
+    if plan and plan.rank == d.rank and plan.step == step and restart_count() == 0:
         return plan.kind
     return None
 
@@ -4424,75 +4453,39 @@ def crash_on_purpose(kind: str, d: Dist, step: int) -> None:
     raise RuntimeError(f"injected failure on rank {d.rank} at step {step} (--inject-fault)")
 
 
-class PhaseTimer:
-    """--time-breakdown: where each step's time goes: data, forward, backward, sync, optimizer.
-
-    torch's DDP all-reduces inside backward, overlapped with it, so its cost shows up as a
-    longer backward. "sync" is the step's other talking and agreeing: the token-count all-reduce
-    before forward, and after backward the manual DDP's wait for its buckets, the loss
-    all-reduce and clipping. On CUDA each boundary synchronises the device, a small slowdown that
-    is the price of true numbers; without the flag nothing is timed.
-
-    The same marks feed the --trace-steps timeline, when there is one.
-    """
-
-    PHASES = ("data", "forward", "backward", "sync", "optimizer")
-
-    def __init__(self, enabled: bool, device: torch.device, timeline: Timeline | None) -> None:
-        self.enabled, self.cuda, self.timeline = enabled, device.type == "cuda", timeline
-        self.seconds = dict.fromkeys(self.PHASES, 0.0)
-        self.last = 0.0
-
-    def start(self, step: int) -> float:
-        if self.timeline:
-            self.timeline.begin_step(step)
-        if self.enabled and self.cuda:
-            torch.cuda.synchronize()
-        self.last = time.perf_counter()
-        return self.last
-
-    def mark(self, phase: str) -> None:
-        if self.timeline and self.timeline.on:
-            self.timeline.phase(phase)
-        if not self.enabled:
-            return
-        if self.cuda:
-            torch.cuda.synchronize()
-        now = time.perf_counter()
-        self.seconds[phase] += now - self.last
-        self.last = now
-
-    def end_step(self) -> None:
-        if self.timeline:
-            self.timeline.end_step()
-
-    def take(self, steps: int) -> dict[str, float]:
-        """Milliseconds per step in each phase since the last take."""
-        per_step = {f"ms_{k}": 1000 * v / steps for k, v in self.seconds.items()} if self.enabled else {}
-        self.seconds = dict.fromkeys(self.PHASES, 0.0)
-        return per_step
-
-
 class SideWork:
     """Everything train() does besides the DDP steps, called at fixed points of every step: the
     phase timer (--time-breakdown) and the timeline (--trace-steps), faults on purpose
     (--inject-fault), the first step's gradient check, the learner's report (--inspect), the
-    replica check (--verify-sync), and the memory table. With their flags off, the calls cost nothing."""
+    replica check (--verify-sync), and the memory table. With their flags off, the calls cost nothing.
+
+    The phase timer shows where each step's time goes: data, forward, backward, sync, optimizer.
+    torch's DDP all-reduces inside backward, overlapped with it, so its cost shows up as a longer
+    backward; "sync" is the step's other talking and agreeing: the token-count all-reduce before
+    forward, and after backward the manual DDP's wait for its buckets, the loss all-reduce and
+    clipping. On CUDA each mark synchronises the device: the price of true numbers.
+    """
+
+    PHASES = ("data", "forward", "backward", "sync", "optimizer")
 
     def __init__(self, cfg: RunConfig, d: Dist, kit: ModelKit, stats: CommStats, first_step: int) -> None:
         self.cfg, self.d, self.kit, self.stats = cfg, d, kit, stats
-        # Made before the wrapper hooks the parameters: hooks run in the order they were registered,
-        # so the timeline stamps the last gradient before the wrapper launches the last bucket.
-        stats.timeline = self.timeline = start_timeline(cfg, d, [p for _, p in trainable_parameters(kit.model)],
-                                                        first_step)  # fmt: skip
+        params = [p for _, p in trainable_parameters(kit.model)]  # hooked before the wrapper hooks them
+        self.timeline = Timeline(first_step + cfg.trace_steps, d.device, params) if cfg.trace_steps else None
+        stats.timeline = self.timeline
         self.offsets = clock_offsets(d) if self.timeline else []
         self.predicted = predict_memory(cfg, d, kit)  # from the whole model, before any sharding
-        self.timer = PhaseTimer(cfg.time_breakdown, d.device, self.timeline)
+        self.timed, self.cuda = cfg.time_breakdown, d.device.type == "cuda"
+        self.phase_seconds, self.last = dict.fromkeys(self.PHASES, 0.0), 0.0
         self.fault: str | None = None
 
     def begin_step(self, step: int) -> float:
         """The step's start; a crash on purpose (kill, raise, hang) happens here and now."""
-        started = self.timer.start(step)
+        if self.timeline:
+            self.timeline.begin_step(step)
+        if self.timed and self.cuda:
+            torch.cuda.synchronize()
+        self.last = started = time.perf_counter()
         self.fault = due_fault(self.cfg, self.d, step)  # a teaching aid: None in real runs
         if self.fault in ("kill", "raise", "hang"):
             crash_on_purpose(self.fault, self.d, step)
@@ -4500,7 +4493,20 @@ class SideWork:
         return started
 
     def mark(self, phase: str) -> None:
-        self.timer.mark(phase)
+        if self.timeline and self.timeline.on:
+            self.timeline.phase(phase)
+        if self.timed:
+            if self.cuda:
+                torch.cuda.synchronize()
+            now = time.perf_counter()
+            self.phase_seconds[phase] += now - self.last
+            self.last = now
+
+    def take_times(self, steps: int) -> dict[str, float]:
+        """Milliseconds per step in each phase since the last take (--time-breakdown; else {})."""
+        per_step = {f"ms_{k}": 1000 * v / steps for k, v in self.phase_seconds.items()} if self.timed else {}
+        self.phase_seconds = dict.fromkeys(self.PHASES, 0.0)
+        return per_step
 
     def loss(self, micro_loss: torch.Tensor) -> torch.Tensor:
         return micro_loss * float("nan") if self.fault == "nan" else micro_loss
@@ -4523,11 +4529,12 @@ class SideWork:
             verify_replicas_agree(self.d, step, "after the gradient all-reduce", model.replicated(named_params))
 
     def after_update(self, step: int, model: Replicas, named_params: list, optimizer: torch.optim.Optimizer) -> None:
-        self.timer.mark("optimizer")
+        self.mark("optimizer")
         if self.verifying(step):
             state = model.replicated(named_params, optimizer)
             verify_replicas_agree(self.d, step, "after the optimizer step", state)
-        self.timer.end_step()
+        if self.timeline:
+            self.timeline.end_step()
 
     def finish(self, model: Replicas, optimizer: torch.optim.Optimizer) -> tuple[list[list[Span]], list[dict]]:
         """The trace and every rank's memory, gathered to rank 0 (a collective)."""
@@ -4578,18 +4585,21 @@ class StopRequest:
                 if signum in (signal.SIGTERM, signal.SIGINT):
                     self._arrived(signum, now)
 
+    @staticmethod
+    def fresh_line() -> str:
+        """A terminal has just echoed ^C after the progress bar: start the line afresh."""
+        return "\n" if os.isatty(2) else ""
+
     def _arrived(self, signum: int, now: float) -> None:
         name = signal.Signals(signum).name
         if self.signal is None:
             self.signal, self.at = signum, now
             if os.environ.get("LOCAL_RANK", "0") == "0":
-                os.write(
-                    2,
-                    f"[stop] {name}: every rank stops after this step and writes a checkpoint "
-                    f"(a second one, {self.REPEAT_S:g} s from now or later, stops at once without one)\n".encode(),
-                )
+                os.write(2, f"{self.fresh_line()}[stop] {name}: every rank stops after this step and writes a "
+                            f"checkpoint (a second one, {self.REPEAT_S:g} s from now or later, stops at once without "
+                            "one)\n".encode())  # fmt: skip
         elif now - self.at > self.REPEAT_S:
-            os.write(2, f"[stop] second {name}: stopping at once, without a checkpoint\n".encode())
+            os.write(2, f"{self.fresh_line()}[stop] second {name}: stopping at once, without a checkpoint\n".encode())
             os._exit(128 + signum)
 
 
@@ -4612,7 +4622,7 @@ def raise_non_finite(d: Dist, step: int, loss: float, grad_norm: float, local_lo
 
 
 # ----------------------------------------------------------------------------------------------
-# 15. Evaluate and report: held-out loss, progress, metrics, plots, the trace file, the memory table, summary
+# 15. Evaluate and report: held-out loss, progress, metrics, MFU, the loss plot, the memory table, summary
 # ----------------------------------------------------------------------------------------------
 
 
@@ -4632,32 +4642,21 @@ def global_batch(cfg: RunConfig, d: Dist) -> int:
     return cfg.batch_size * d.world_size * cfg.grad_accum_steps
 
 
-def announce_run(
-    cfg: RunConfig,
-    d: Dist,
-    sampler: DistributedSampler,
-    steps_per_epoch: int,
-    precision: str,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    named_params: list[tuple[str, nn.Parameter]],
-) -> None:
+def announce_run(cfg: RunConfig, d: Dist, sampler: DistributedSampler, steps_per_epoch: int, precision: str,
+                 model: Replicas, optimizer: torch.optim.Optimizer, named_params: list) -> None:  # fmt: skip
     """The run's shape, once, before the first step: the global batch, and how the gradients travel;
     with --inspect, each rank's shard of the data and of the training state."""
     k, batch = cfg.grad_accum_steps, global_batch(cfg, d)
     log(d, f"[run] {d.world_size} rank(s) x {cfg.batch_size} examples x {k} micro-step(s) = global batch {batch}")
     log(d, f"[run] up to {batch * cfg.seq_len:,} token positions per step (a batch is padded to its longest example)")
     log(d, f"[run] {len(sampler)} examples per rank per epoch = {steps_per_epoch} steps per epoch")
-    log(
-        d,
-        f"[run] gradient sync: {describe_gradient_sync(cfg, d)}; loss: {cfg.loss_normalization}; "
-        f"optimizer: {cfg.optimizer}, lr {cfg.lr:g} (warmup {warmup_steps(cfg)}, cosine to {cfg.min_lr:g}); "
-        f"precision {precision}",
-    )
-    if note := describe_sharding(cfg, d):
-        log(d, note)
+    log(d, f"[run] gradient sync: {describe_gradient_sync(cfg, d)}; loss: {cfg.loss_normalization}; optimizer: "
+           f"{cfg.optimizer}, lr {cfg.lr:g} (warmup {warmup_steps(cfg)}, cosine to {cfg.min_lr:g}); "
+           f"precision {precision}")  # fmt: skip
+    if cfg.sharding != "none" and not d.distributed:
+        log(d, f"[run] --sharding {cfg.sharding}: one process holds the whole model, there is nothing to shard")
     if cfg.inspect:
-        print_in_rank_order(d, describe_shards(d, sampler) + model.ownership(named_params, optimizer))
+        print_in_rank_order(d, describe_shards(sampler) + model.ownership(named_params, optimizer))
 
 
 def sent_in_buckets(cfg: RunConfig, d: Dist, calls: int, nbytes: int) -> dict[str, int]:
@@ -4675,28 +4674,28 @@ def evaluate(cfg: RunConfig, d: Dist, kit: ModelKit, model: Replicas, precision:
     """The exact token-weighted loss on the held-out lines, computed by all ranks together.
 
     Rank r takes held-out examples r, r+W, r+2W, ...: every example exactly once. (A
-    DistributedSampler would repeat examples to give every rank the same count, and count
-    them twice.) Each rank runs the *unwrapped* model: no DDP hooks and no per-batch
-    collective, so shards of unequal size cannot leave a rank waiting. (Under --sharding full
-    every forward gathers weights: a rank with fewer batches runs uncounted ones to join in.)
-    One all-reduce then sums loss, tokens and bytes.
+    DistributedSampler would repeat examples to give every rank the same count, and count them
+    twice.) Each rank runs the *unwrapped* model: no DDP hooks and no per-batch collective, so
+    shards of unequal size cannot leave a rank waiting. (When every forward gathers weights, FSDP,
+    a rank with fewer batches runs uncounted ones to join in.) One all-reduce then sums loss,
+    tokens and bytes.
     """
     val, raw = kit.val, kit.trained
     raw.eval()
     loss_sum = tokens = nbytes = 0.0
     # With fewer held-out examples than ranks, some ranks hold none: they add zeros to the sums.
     mine = torch.arange(d.rank, len(val), d.world_size)
-    for chunk in mine.split(cfg.batch_size) if len(mine) else []:
-        inputs, targets, *positions = (t.to(d.device) for t in trim_padding([val[i] for i in chunk.tolist()]))
+    batches = [[val[i] for i in chunk.tolist()] for chunk in mine.split(cfg.batch_size)] if len(mine) else []
+    if model.gathers_in_forward:  # rank 0 holds the most batches; the others join its gathers
+        batches += [[val[0]]] * (math.ceil(math.ceil(len(val) / d.world_size) / cfg.batch_size) - len(batches))
+    for i, batch in enumerate(batches):
+        inputs, targets, *positions = (t.to(d.device) for t in trim_padding(batch))
         with autocast_for(precision, d):
-            loss_sum += kit.loss(raw, inputs, targets, *positions).item()
-        tokens += int((targets != IGNORE_INDEX).sum())
-        nbytes += int(val.target_bytes[chunk].sum())
-    if model.gathers_in_forward:  # every forward all-gathers: a rank must not skip one
-        for _ in range(batches_on_rank0(len(val), d, cfg) - math.ceil(len(mine) / cfg.batch_size)):
-            inputs, targets, *positions = (t.to(d.device) for t in trim_padding([val[0]]))
-            with autocast_for(precision, d):
-                kit.loss(raw, inputs, targets, *positions)  # joins the gathers; its loss is not counted
+            loss = kit.loss(raw, inputs, targets, *positions).item()
+        if i * cfg.batch_size < len(mine):  # a batch of this rank's own, not one that only joins in
+            loss_sum += loss
+            tokens += int((targets != IGNORE_INDEX).sum())
+            nbytes += int(val.target_bytes[mine[i * cfg.batch_size : (i + 1) * cfg.batch_size]].sum())
     model.after_evaluation()
     raw.train()
     loss_sum, tokens, nbytes = all_reduce_sum(d, [loss_sum, tokens, nbytes])
@@ -4704,10 +4703,6 @@ def evaluate(cfg: RunConfig, d: Dist, kit: ModelKit, model: Replicas, precision:
     # Perplexity is per token, so it depends on the tokenizer; bits per byte does not, and
     # compares the byte-level model with Qwen on the same text.
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_bpb": loss_sum / (math.log(2) * nbytes)}
-
-
-def batches_on_rank0(examples: int, d: Dist, cfg: RunConfig) -> int:
-    return math.ceil(math.ceil(examples / d.world_size) / cfg.batch_size)  # rank 0 holds the most
 
 
 # Dense bf16/fp16 tensor-core peaks in FLOP/s, from the vendors' data sheets, for MFU. Matched
@@ -4728,19 +4723,18 @@ PEAK_FLOPS = {
 }
 
 
+def gpu_peak_flops(name: str) -> float | None:
+    return PEAK_FLOPS.get(name.strip())
+
+
 def peak_flops(d: Dist, precision: str) -> float | None:
     """This GPU's peak for MFU; None (and one line saying why) where it is not known."""
     if d.device.type != "cuda" or precision not in ("bf16", "fp16"):
         return None
     name = torch.cuda.get_device_name(d.device)
-    peak = gpu_peak_flops(name)
-    if peak is None:
+    if (peak := gpu_peak_flops(name)) is None:
         log(d, f"[run] MFU not reported: no peak FLOP/s on file for '{name}' (PEAK_FLOPS in the script)")
     return peak
-
-
-def gpu_peak_flops(name: str) -> float | None:
-    return PEAK_FLOPS.get(name.strip())
 
 
 def training_flops_per_token(model: nn.Module, n_layers: int, attention_width: int, seq_len: int) -> float:
@@ -4751,8 +4745,11 @@ def training_flops_per_token(model: nn.Module, n_layers: int, attention_width: i
     trained weight, 4 per frozen one (no weight gradient). Attention's score and mixing
     matmuls add 12 x layers x width x sequence length.
     """
-    trained = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear) and m.weight.requires_grad)
-    frozen = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear) and not m.weight.requires_grad)
+    linears = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
+    trained, frozen = (
+        sum(w.numel() for w in linears if w.requires_grad),
+        sum(w.numel() for w in linears if not w.requires_grad),
+    )
     return 6 * trained + 4 * frozen + 12 * n_layers * attention_width * seq_len
 
 
@@ -4766,25 +4763,20 @@ class Reporter:
 
     def __init__(self, cfg: RunConfig, d: Dist, kit: ModelKit, progress: Progress, precision: str) -> None:
         self.cfg, self.d, self.progress = cfg, d, progress
-        interactive = cfg.progress == "bar" or (cfg.progress == "auto" and sys.stderr.isatty())
-        self.show_bar = d.is_main and interactive
-        self.bar = tqdm(
-            total=cfg.max_steps, initial=progress.step, unit="step", dynamic_ncols=True, disable=not self.show_bar
-        )
+        self.show_bar = d.is_main and (cfg.progress == "bar" or (cfg.progress == "auto" and sys.stderr.isatty()))
+        self.bar = tqdm(total=cfg.max_steps, initial=progress.step, unit="step", dynamic_ncols=True,
+                        disable=not self.show_bar)  # fmt: skip
         self.flops_per_token, self.peak = kit.flops_per_token, peak_flops(d, precision)
         self.window_tokens, self.window_seconds, self.window_steps = 0, 0.0, 0
         self.tokens, self.seconds = 0, 0.0  # this attempt's totals
         self.failure: OSError | None = None  # rank 0's failed metrics write, until every rank hears of it
 
-    def step_done(
-        self, metrics: dict[str, float], tokens: int, seconds: float, steps_per_epoch: int, timer: PhaseTimer
-    ) -> None:
+    def step_done(self, metrics: dict[str, float], tokens: int, seconds: float, steps_per_epoch: int,
+                  side: SideWork) -> None:  # fmt: skip
         step, cfg = int(metrics["step"]), self.cfg
-        self.window_tokens += tokens
-        self.window_seconds += seconds
-        self.window_steps += 1
-        self.tokens += tokens
-        self.seconds += seconds
+        self.window_tokens, self.window_seconds, self.window_steps = (
+            self.window_tokens + tokens, self.window_seconds + seconds, self.window_steps + 1)  # fmt: skip
+        self.tokens, self.seconds = self.tokens + tokens, self.seconds + seconds
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
         self.progress.history.append({k: metrics[k] for k in ("step", "loss", "val_loss") if k in metrics})
@@ -4796,7 +4788,7 @@ class Reporter:
             "tokens_per_sec": speed,  # real (non-padding) training tokens, all ranks together
             "tokens_seen": self.progress.tokens_seen,
             "epoch": (step - 1) // steps_per_epoch,
-            **timer.take(self.window_steps),
+            **side.take_times(self.window_steps),
         }
         self.window_tokens, self.window_seconds, self.window_steps = 0, 0.0, 0
         if self.peak:
@@ -4830,10 +4822,8 @@ class Reporter:
 
 
 def format_metrics(r: dict[str, float], max_steps: int, distributed: bool) -> str:
-    line = (
-        f"step {int(r['step']):>5}/{max_steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
-        f"grad norm {r['grad_norm']:.3f} | {r['tokens_per_sec']:,.0f} tok/s"
-    )
+    line = (f"step {int(r['step']):>5}/{max_steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
+            f"grad norm {r['grad_norm']:.3f} | {r['tokens_per_sec']:,.0f} tok/s")  # fmt: skip
     if distributed and "allreduce_calls" in r:
         line += f" | all-reduced {r['allreduce_calls']} bucket(s), {r['allreduce_bytes'] / 2**20:.2f} MiB"
     if "mfu" in r:
@@ -4857,143 +4847,30 @@ def import_pyplot() -> object | None:
     return plt
 
 
-def write_loss_plot(cfg: RunConfig, history: list[dict[str, float]]) -> Path | None:
-    plt = import_pyplot()
-    if plt is None:
+def write_figure(cfg: RunConfig, name: str, draw: Callable[[object], object]) -> Path | None:
+    """OUTPUT_DIR/name, the figure draw(pyplot) returns (None without matplotlib)."""
+    if (plt := import_pyplot()) is None:
         return None
+    fig = draw(plt)
+    fig.savefig(cfg.output_dir / name, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return cfg.output_dir / name
+
+
+def loss_figure(plt: object, cfg: RunConfig, history: list[dict[str, float]]) -> object:
     fig, ax = plt.subplots(figsize=(7, 4))
-    steps, losses = [h["step"] for h in history], [h["loss"] for h in history]
-    ax.plot(steps, losses, lw=0.8, label="train loss, every step (global batch)")
-    val = [h for h in history if "val_loss" in h]
-    if val:
+    ax.plot(
+        [h["step"] for h in history],
+        [h["loss"] for h in history],
+        lw=0.8,
+        label="train loss, every step (global batch)",
+    )
+    if val := [h for h in history if "val_loss" in h]:
         ax.plot([h["step"] for h in val], [h["val_loss"] for h in val], "o-", zorder=3, label="validation loss")
     ax.set(xlabel="optimizer step", ylabel="cross-entropy (nats per token)", title=f"{cfg.model} model")
+    ax.xaxis.get_major_locator().set_params(integer=True)  # steps are whole: no 1.5 on a short run's axis
     ax.grid(alpha=0.3)
     ax.legend()
-    path = cfg.output_dir / "loss.png"
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return path
-
-
-# What a timeline draws on its communication lanes: DDP's all-reduces; FSDP's all-gathers of
-# weights (before forward and again before backward) and reduce-scatters of gradients.
-COMMUNICATION = ("all-reduce", "all-gather", "reduce-scatter")
-
-
-def all_reduce_lanes(spans: list[Span]) -> list[tuple[Span, int]]:
-    """The communication spans in time order, each with a lane, so spans sharing a lane never overlap.
-
-    A bucket handed over while the previous one is still in flight overlaps it: it waits its
-    turn on the wire. Lane by lane, the timeline shows how deep that queue got.
-    """
-    ends: list[float] = []
-    placed = []
-    for span in sorted((s for s in spans if s[0] in COMMUNICATION), key=lambda s: s[1]):
-        lane = next((i for i, end in enumerate(ends) if end <= span[1]), len(ends))
-        if lane == len(ends):
-            ends.append(span[2])
-        else:
-            ends[lane] = span[2]
-        placed.append((span, lane))
-    return placed
-
-
-def chrome_trace(ranks: list[list[Span]]) -> dict:
-    """The Chrome Trace Event Format (Perfetto, chrome://tracing): one process per rank, its
-    compute spans on one thread, its all-reduces on as many threads as were in flight at once."""
-    t0 = min(a for spans in ranks for _, a, _, _ in spans)
-    events: list[dict] = []
-    for rank, spans in enumerate(ranks):
-        events += [
-            {"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}},
-            {"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}},
-            {"ph": "M", "name": "thread_name", "pid": rank, "tid": 0, "args": {"name": "compute"}},
-        ]
-        comm = all_reduce_lanes(spans)
-        for lane in range(max((lane for _, lane in comm), default=-1) + 1):
-            events.append(
-                {"ph": "M", "name": "thread_name", "pid": rank, "tid": 1 + lane, "args": {"name": "communication"}}
-            )
-        placed = [(s, 0) for s in spans if s[0] not in COMMUNICATION] + [(s, 1 + lane) for s, lane in comm]
-        for (name, a, b, args), tid in placed:
-            events.append(
-                {
-                    "name": name,
-                    "cat": "communication" if tid else "step" if name.startswith("step ") else "compute",
-                    "ph": "X",
-                    "ts": round((a - t0) * 1e6, 3),  # microseconds from the first span of any rank
-                    "dur": round((b - a) * 1e6, 3),
-                    "pid": rank,
-                    "tid": tid,
-                    "args": args,
-                }
-            )
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
-
-
-def write_trace(cfg: RunConfig, ranks: list[list[Span]]) -> Path | None:
-    if not any(ranks):
-        return None  # stopped before the first step ended
-    path = cfg.output_dir / "trace.json"
-    atomic_write(path, json.dumps(chrome_trace(ranks)).encode())
-    return path
-
-
-PHASE_COLOURS = {
-    "data": "#b0b0b0",
-    "forward": "#4c72b0",
-    "backward": "#55a868",
-    "sync": "#dd8452",
-    "optimizer": "#8172b3",
-    "all-reduce": "#c44e52",
-    "all-gather": "#937860",
-    "reduce-scatter": "#da8bc3",
-}
-
-
-def write_timeline_plot(cfg: RunConfig, ranks: list[list[Span]]) -> Path | None:
-    plt = import_pyplot()
-    if plt is None:
-        return None
-    fig = timeline_figure(plt, cfg, ranks)
-    path = cfg.output_dir / "timeline.png"
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return path
-
-
-def timeline_figure(plt: object, cfg: RunConfig, ranks: list[list[Span]]) -> object:
-    """The traced steps as a picture: a lane per rank, compute above, all-reduce below it, each
-    step's start marked and labelled, and each rank's hidden share in the title."""
-    t0 = min(a for spans in ranks for _, a, _, _ in spans)
-    fig, ax = plt.subplots(figsize=(11, 1.4 + 1.1 * len(ranks)), layout="constrained")
-    for rank, spans in enumerate(ranks):
-        top = len(ranks) - 1 - rank  # rank 0 on top
-        for name, a, b, _ in spans:
-            if name in PHASE_COLOURS and name not in COMMUNICATION:
-                ax.broken_barh([(1000 * (a - t0), 1000 * (b - a))], (top + 0.5, 0.4), color=PHASE_COLOURS[name])
-            elif name.startswith("step "):
-                ax.axvline(1000 * (a - t0), color="black", lw=0.5, alpha=0.3)
-                if rank == 0:  # one label per step, above the top lane
-                    ax.text(1000 * (a - t0), len(ranks), f" {name}", va="bottom", fontsize=7)
-        comm = all_reduce_lanes(spans)
-        height = 0.4 / (max((lane for _, lane in comm), default=0) + 1)
-        for (name, a, b, _), lane in comm:
-            y = top + 0.5 - (lane + 1) * height
-            ax.broken_barh([(1000 * (a - t0), 1000 * (b - a))], (y, height * 0.9), color=PHASE_COLOURS[name], alpha=0.8)
-    ax.set_yticks([len(ranks) - 1 - r + 0.5 for r in range(len(ranks))], [f"rank {r}" for r in range(len(ranks))])
-    ax.set_ylim(0, len(ranks))
-    ax.set_xlabel("milliseconds (one clock for every rank)")
-    shares = hidden_shares(ranks)
-    sharded = cfg.sharding == "full"
-    note = f"\n{'communication hidden behind compute' if sharded else 'all-reduce hidden behind backward'}: {shares}"
-    how = "--sharding full" if sharded else f"{cfg.bucket_mb:g} MiB buckets"
-    ax.set_title(f"{cfg.model} model, --ddp {cfg.ddp}, {how}{note if shares else ''}", fontsize=10, pad=14)
-    drawn = {name for spans in ranks for name, *_ in spans}
-    shown = {k: c for k, c in PHASE_COLOURS.items() if k not in COMMUNICATION or k in drawn}
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in shown.values()]
-    fig.legend(handles, list(shown), loc="outside lower center", ncol=len(shown), frameon=False)
     return fig
 
 
@@ -5026,9 +4903,9 @@ def predict_memory(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
 
 
 def measure_memory(
-    d: Dist, kit: ModelKit, model: nn.Module, optimizer: torch.optim.Optimizer, predicted: dict
+    d: Dist, kit: ModelKit, model: Replicas, optimizer: torch.optim.Optimizer, predicted: dict
 ) -> list[dict]:
-    """Every rank's parameters, gradients and optimizer state in bytes, and its peak. A collective.
+    """Every rank's parameters, gradients and optimizer state in bytes, and its peaks. A collective.
     ManualDDP's flat buckets count as gradients: a second copy of them (torch's DDP makes .grad
     a view into its buckets instead)."""
     counted: set[tuple[int, str]] = set()
@@ -5045,12 +4922,20 @@ def measure_memory(
     params = list(kit.trained.parameters())
     # ZeRO-1 (torch's and ours) steps an inner optimizer that holds this rank's share of the state.
     state = getattr(optimizer, "optim", optimizer).state.values()
+    try:
+        import resource  # POSIX only; ru_maxrss is in bytes on macOS, KiB on Linux
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    except ImportError:
+        rss = 0
+    cuda = torch.cuda.max_memory_allocated(d.device) if d.device.type == "cuda" else None
     mine = {
         "rank": d.rank,
         "parameters": storage_bytes(iter(params)),
         "gradients": storage_bytes([*(p.grad for p in params if p.grad is not None), *model.gradient_buffers()]),
         "optimizer_state": storage_bytes(t for s in state for t in s.values() if torch.is_tensor(t)),
-        "peak": peak_bytes(d),
+        "peak": rss if cuda is None else cuda,  # the peak CUDA allocation on a GPU, else the peak resident set
+        "peak_rss": rss,
         **predicted,
     }
     ranks = [mine]
@@ -5058,17 +4943,6 @@ def measure_memory(
         ranks = [{} for _ in range(d.world_size)]
         dist.all_gather_object(ranks, mine, group=d.control)
     return ranks
-
-
-def peak_bytes(d: Dist) -> int:
-    """The peak CUDA allocation on a GPU; the peak resident set (RSS) of this process on a CPU."""
-    if d.device.type == "cuda":
-        return torch.cuda.max_memory_allocated(d.device)
-    try:
-        import resource  # POSIX only
-    except ImportError:
-        return 0
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
 def describe_memory(cfg: RunConfig, d: Dist, ranks: list[dict]) -> str:
@@ -5084,10 +4958,8 @@ def describe_memory(cfg: RunConfig, d: Dist, ranks: list[dict]) -> str:
         measured, predicted = sum(r[k] for k in keys), sum(r["predicted"][k] for k in keys)
         cells = [f"{mib(r[k])} ({mib(r['predicted'][k])})" for k in keys]
         off = f"{100 * (measured - predicted) / predicted:+.1f}%" if predicted else "-"
-        lines.append(
-            f"  {r['rank']:>4}  {cells[0]:>18}  {cells[1]:>18}  {cells[2]:>18}  {off:>18}  "
-            f"{mib(r['largest_unit']) if r['largest_unit'] else '-':>12}  {mib(r['peak']):>10}"
-        )
+        lines.append(f"  {r['rank']:>4}  {cells[0]:>18}  {cells[1]:>18}  {cells[2]:>18}  {off:>18}  "
+                     f"{mib(r['largest_unit']) if r['largest_unit'] else '-':>12}  {mib(r['peak']):>10}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -5095,63 +4967,18 @@ def mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:,.2f}"
 
 
-def write_memory_json(cfg: RunConfig, ranks: list[dict]) -> Path:
-    path = cfg.output_dir / "memory.json"
-    atomic_write(path, json.dumps(ranks, indent=1).encode())
-    return path
-
-
-def peak_memory_per_rank(d: Dist) -> list[str]:
-    """Each rank's peak resident memory (and peak CUDA allocation): a collective, every rank calls it."""
-    try:
-        import resource  # POSIX only
-
-        scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
-    except ImportError:
-        rss = float("nan")
-    cuda = torch.cuda.max_memory_allocated(d.device) if d.device.type == "cuda" else float("nan")
-    ranks = all_gather_tensor(d, torch.tensor([rss, cuda], dtype=torch.float64))
-    return [
-        f"rank {r}: {rss / 2**20:,.0f} MiB RSS" + (f", {cuda / 2**30:.2f} GiB CUDA" if math.isfinite(cuda) else "")
-        for r, (rss, cuda) in enumerate(t.tolist() for t in ranks)
-    ]
-
-
-def hidden_shares(ranks: list[list[Span]]) -> str:
-    """Each rank's hidden fraction, as the summary and the timeline's title both show it."""
-    hidden = [hidden_fraction(spans) for spans in ranks]
-    return ", ".join(f"rank {r} {100 * h:.0f}%" for r, h in enumerate(hidden) if h is not None)
-
-
-def overlap_label(ranks: list[list[Span]]) -> str:
-    return "communication" if any(name == "all-gather" for name, *_ in ranks[0]) else "all-reduce"
-
-
-def describe_overlap(ranks: list[list[Span]]) -> str:
-    if len(ranks) == 1:
-        return "none (one process: nothing to synchronise)"
-    per_rank = hidden_shares(ranks)
-    if not per_rank:
-        return "none traced (no traced step synchronised gradients)"
-    steps = sum(name.startswith("step ") for name, *_ in ranks[0])
-    if any(name == "all-gather" for name, *_ in ranks[0]):
-        return (
-            f"hidden behind forward and backward: {per_rank} of the time an all-gather or reduce-scatter "
-            f"was in flight ({steps} traced steps)"
-        )
-    return f"hidden behind backward: {per_rank} of the time a bucket was in flight ({steps} traced steps)"
-
-
-def print_summary(
-    cfg: RunConfig, d: Dist, result: TrainResult, wall_seconds: float, outputs: list[Path], memory: list[str]
-) -> None:
-    history = result.progress.history
+def print_summary(cfg: RunConfig, d: Dist, result: TrainResult, wall_seconds: float, outputs: list[Path]) -> None:
+    history, memory = result.progress.history, result.memory
     last_val = next((h for h in reversed(history) if "val_loss" in h), None)
     speed = f"{result.tokens / result.seconds:,.0f} (this attempt's training steps)" if result.seconds else "-"
     train_loss = (
         f"{history[0]['loss']:.4f} at step {history[0]['step']} -> {history[-1]['loss']:.4f}" if history else "-"
     )
+    # The memory table's own measurement: the summary and the table cannot disagree.
+    cuda = d.device.type == "cuda"
+    peaks = "; ".join(f"rank {r['rank']}: {r['peak_rss'] / 2**20:,.0f} MiB RSS"
+                      + (f", {r['peak'] / 2**30:.2f} GiB CUDA" if cuda else "") for r in memory)  # fmt: skip
+    sharded_trace = result.trace and any(name == "all-gather" for name, *_ in result.trace[0])
     rows = [
         ("steps", f"{result.progress.step:,} x global batch {global_batch(cfg, d)}"),
         ("tokens seen", f"{result.progress.tokens_seen:,} (real, non-padding)"),
@@ -5159,8 +4986,12 @@ def print_summary(
         ("tokens/s", speed),
         ("train loss", train_loss),
         ("val loss", f"{last_val['val_loss']:.4f} at step {last_val['step']}" if last_val else "- (no held-out lines)"),
-        ("peak memory", "; ".join(memory)),
-        *([(overlap_label(result.trace), describe_overlap(result.trace))] if result.trace else []),
+        ("peak memory", peaks),
+        *(
+            [("communication" if sharded_trace else "all-reduce", describe_overlap(result.trace))]
+            if result.trace
+            else []
+        ),
         ("outputs", ", ".join(str(p) for p in outputs)),
     ]
     width = max(len(k) for k, _ in rows)
@@ -5188,12 +5019,6 @@ def atomic_write(path: Path, data: bytes) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-
-
-def atomic_torch_save(obj: object, path: Path) -> None:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    atomic_write(path, buffer.getvalue())
 
 
 @contextlib.contextmanager
@@ -5326,11 +5151,7 @@ def lock_file(f: io.TextIOWrapper) -> None:
 
 
 LOCKED_BYTE = 4096
-
-
 LOCK_HELD = (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES, errno.EDEADLK)  # "another process has it"
-
-
 OUTPUT_LOCK = OutputLock()
 
 
@@ -5353,7 +5174,12 @@ def read_metrics_records(path: Path) -> list[tuple[int, bytes]]:
     for number, line in enumerate([*complete, last], 1):
         if not line.strip():
             continue
-        step = metrics_record_step(line)
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        step = record.get("step") if isinstance(record, dict) else None
+        step = step if isinstance(step, int) else None
         torn = line.startswith(METRICS_RECORD_START) or METRICS_RECORD_START.startswith(line)
         if step is None and number > len(complete) and torn:
             continue  # the last write, cut off (anywhere, even inside its opening)
@@ -5364,15 +5190,6 @@ def read_metrics_records(path: Path) -> list[tuple[int, bytes]]:
             )
         records.append((step, line))
     return records
-
-
-def metrics_record_step(line: bytes) -> int | None:
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return None
-    step = record.get("step") if isinstance(record, dict) else None
-    return step if isinstance(step, int) else None
 
 
 def prepare_metrics_file(cfg: RunConfig, start_step: int) -> None:
@@ -5430,8 +5247,6 @@ def restore_rng(state: dict, d: Dist) -> None:
 # Settings a resumed run may change: --max-steps grows to train a finished run further (the
 # schedule is then recomputed for the new length, and the resume says so).
 MAY_CHANGE_ON_RESUME = ("max_steps",)
-
-
 # How the global batch is split may change on resume, the global batch itself may not. Rank r
 # of W takes every W-th example, so every split of the same global batch trains each step on
 # the same examples (tests/test_gradients.py): 2 ranks x 4 continue as 1 rank x 8, as a
@@ -5465,46 +5280,26 @@ def run_settings(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
     stays free, and --max-steps may grow (MAY_CHANGE_ON_RESUME). So does where the state lives
     (--sharding: every checkpoint is whole) and how the global batch is split (BATCH_SPLIT).
     """
-    settings = {
-        "model": cfg.model,
+    model = ("d_model", "n_heads", "n_layers", "dropout") if cfg.model == "tiny" else (
+        "model_name_or_path", "finetune", "lora_r", "lora_alpha", "lora_dropout", "attn_implementation")  # fmt: skip
+    taken = ("model", "batch_size", "grad_accum_steps", "seq_len", "seed", "optimizer", "lr", "min_lr",
+             "warmup_steps", "weight_decay", "grad_clip", "loss_normalization", "max_steps", "grad_compression",
+             "ddp", *model)  # fmt: skip
+    settings = {k: getattr(cfg, k) for k in taken} | {
         "world_size": d.world_size,
-        "batch_size": cfg.batch_size,
-        "grad_accum_steps": cfg.grad_accum_steps,
-        "seq_len": cfg.seq_len,
-        "seed": cfg.seed,
-        "optimizer": cfg.optimizer,
-        "lr": cfg.lr,
-        "min_lr": cfg.min_lr,
-        "warmup_steps": cfg.warmup_steps,
-        "weight_decay": cfg.weight_decay,
-        "grad_clip": cfg.grad_clip,
-        "loss_normalization": cfg.loss_normalization,
         "training_data_sha256": kit.train.digest(),
-        "max_steps": cfg.max_steps,
         # How each step is computed: the numbers differ in their last bits or more when these do.
         # (An explicit --precision is taken as written: fp16 on a CPU is refused by train() on every
         # rank, and this runs on rank 0 alone, where a refusal would leave the others waiting.)
         "precision": choose_precision(cfg, d) if cfg.precision == "auto" else cfg.precision,
-        "grad_compression": cfg.grad_compression,
-        "ddp": cfg.ddp,
         "backend": d.backend,
         "device": d.device.type,
     }
     if d.device.type == "cuda":
         settings["tf32"] = cfg.tf32
-    if cfg.model == "tiny":
-        settings |= {"d_model": cfg.d_model, "n_heads": cfg.n_heads, "n_layers": cfg.n_layers, "dropout": cfg.dropout}
-    else:
-        settings |= {
-            "model_name_or_path": cfg.model_name_or_path,
-            "finetune": cfg.finetune,
-            "lora_r": cfg.lora_r,
-            "lora_alpha": cfg.lora_alpha,
-            "lora_dropout": cfg.lora_dropout,
-            "lora_targets": list(cfg.lora_targets),
-            "dtype": str(choose_weights_dtype(cfg, d)).removeprefix("torch."),  # as loaded: auto resolved
-            "attn_implementation": cfg.attn_implementation,
-        }
+    if cfg.model == "hf":  # as loaded: the targets a list, auto resolved
+        settings |= {"lora_targets": list(cfg.lora_targets),
+                     "dtype": str(choose_weights_dtype(cfg, d)).removeprefix("torch.")}  # fmt: skip
     return settings
 
 
@@ -5677,7 +5472,7 @@ def choose_checkpoint(cfg: RunConfig, settings: dict, final_name: str) -> dict |
     root = checkpoint_root(cfg)
     mode = resume_mode(cfg)
     if mode == "none":
-        refuse_to_replace_a_finished_model(cfg, final_name)
+        keep_a_finished_model(cfg, final_name)
         if root.exists():
             # Starting over must not mix this run's checkpoints with an earlier run's.
             aside = unused_path(cfg.output_dir / f"checkpoints.before-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -5687,7 +5482,7 @@ def choose_checkpoint(cfg: RunConfig, settings: dict, final_name: str) -> dict |
     if mode == "auto":
         folder, state = newest_usable_checkpoint(root)
         if state is None:
-            refuse_to_replace_a_finished_model(cfg, final_name)
+            keep_a_finished_model(cfg, final_name)
             return None
     else:
         folder = Path(cfg.resume)
@@ -5704,16 +5499,22 @@ def choose_checkpoint(cfg: RunConfig, settings: dict, final_name: str) -> dict |
     return state
 
 
-def refuse_to_replace_a_finished_model(cfg: RunConfig, final_name: str) -> None:
+def keep_a_finished_model(cfg: RunConfig, final_name: str) -> None:
     """A run that starts from step 0 in a folder holding a finished run's model would replace that
-    model at its end. The lock keeps two runs apart at once, this one after the other. (Resuming a
-    checkpoint there continues that run, and its model is this run's to replace.)"""
+    model at its end. (The lock keeps two runs apart at once, this one after the other; resuming a
+    checkpoint there continues that run, and its model is this run's to replace.) A folder the user
+    named is refused; the default one, which every run that names none shares, keeps the earlier
+    model beside it under another name."""
     final = cfg.output_dir / final_name
-    if final.exists() and not cfg.overwrite and restart_count() == 0:
-        raise UsageError(
-            f"{cfg.output_dir} already holds a finished run's model ({final}); this run would replace it: "
-            "give it its own --output-dir, or pass --overwrite"
-        )
+    if not final.exists() or cfg.overwrite or restart_count() > 0:
+        return
+    if cfg.output_dir != DEFAULT_OUTPUT_DIR:
+        raise UsageError(f"{cfg.output_dir} already holds a finished run's model ({final}); this run would replace "
+                         "it: give it its own --output-dir, or pass --overwrite")  # fmt: skip
+    aside = unused_path(final.with_name(f"{final.stem}.before-{time.strftime('%Y%m%d-%H%M%S')}{final.suffix}"))
+    os.replace(final, aside)
+    say(f"[outputs] {final} was an earlier run's finished model: moved to {aside} (an --output-dir of its own keeps "
+        "a run apart)")  # fmt: skip
 
 
 def resume_mode(cfg: RunConfig) -> str:
@@ -5871,6 +5672,9 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
     if d.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = cfg.tf32  # fp32 matmuls on tensor cores: ~10 bits of mantissa
     warn_if_bf16_is_emulated(cfg, d)
+    if d.device.type == "cpu" and d.local_world_size > (cores := usable_cores()):
+        log(d, f"[run] warning: {d.local_world_size} ranks on this machine share its {cores} CPU core(s): each "
+               f"computes at a fraction of a core's speed; {cores} or fewer ranks train faster")  # fmt: skip
     if cfg.show_examples:
         show_examples(cfg, d, first_records(cfg, cfg.show_examples))
         return
@@ -5879,7 +5683,9 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
     val = held_out(len(corpus), cfg.val_fraction, cfg.seed)
     build_kit = build_pretrained_kit if cfg.model == "hf" else build_tiny_kit
     kit = build_kit(cfg, d, corpus.subset(~val), corpus.subset(val))
-    seed_dropout_per_rank(cfg, d)
+    # Initialisation used --seed alone: the replicas start identical. Dropout must not: W ranks
+    # dropping the same units of their different examples is not one process with a W-times batch.
+    torch.manual_seed(cfg.seed + d.rank)
     log(
         d,
         f"[data] {cfg.dataset or cfg.corpus_file}: {len(val) - val.sum()} training {describe_records(corpus.fmt)} -> "
@@ -5914,15 +5720,21 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
     rank0_writes(d, kit.final_label, lambda: kit.save_final(kit.model, step, whole))
     if cfg.plot:
         history = result.progress.history
-        plot = rank0_then_share(d, "could not write the loss plot", lambda: write_loss_plot(cfg, history))
-        outputs += [plot] if plot else []
-    if trace_file:
-        outputs.append(trace_file)
+        draw = functools.partial(loss_figure, cfg=cfg, history=history)
+        outputs.append(
+            rank0_then_share(d, "could not write the loss plot", lambda: write_figure(cfg, "loss.png", draw))
+        )
+    outputs.append(trace_file)
     if cfg.plot and trace_file:
-        picture = rank0_then_share(d, "could not draw the timeline", lambda: write_timeline_plot(cfg, result.trace))
-        outputs += [picture] if picture else []
-    outputs.append(rank0_then_share(d, "could not write memory.json", lambda: write_memory_json(cfg, result.memory)))
-    memory = peak_memory_per_rank(d)
+        draw = functools.partial(timeline_figure, cfg=cfg, ranks=result.trace)
+        outputs.append(
+            rank0_then_share(d, "could not draw the timeline", lambda: write_figure(cfg, "timeline.png", draw))
+        )
+    write_memory = functools.partial(
+        atomic_write, cfg.output_dir / "memory.json", json.dumps(result.memory, indent=1).encode()
+    )
+    rank0_then_share(d, "could not write memory.json", write_memory)
+    outputs = [p for p in [*outputs, cfg.output_dir / "memory.json"] if p]
     if d.is_main:
         kit.model.eval()
         # The unwrapped model: a forward through the DDP wrapper may talk to the other ranks,
@@ -5933,7 +5745,7 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
             say(sample_saved_model(kit, cfg, outputs[0]))
         if cfg.metrics_file:
             outputs.append(cfg.metrics_file)
-        print_summary(cfg, d, result, time.perf_counter() - started, outputs, memory)
+        print_summary(cfg, d, result, time.perf_counter() - started, outputs)
         say(describe_memory(cfg, d, result.memory))
 
 
@@ -5962,25 +5774,9 @@ def steps_for_epochs(cfg: RunConfig, d: Dist, kit: ModelKit) -> RunConfig:
     return replace(cfg, max_steps=steps)
 
 
-def seed_dropout_per_rank(cfg: RunConfig, d: Dist) -> None:
-    """Give every rank its own dropout stream, once the model is built.
-
-    Initialisation used --seed alone, so the replicas start identical. Dropout must not: with
-    one seed on every rank, W ranks would drop the same units of their different examples,
-    which is not what one process would do with a W-times larger batch.
-    """
-    torch.manual_seed(cfg.seed + d.rank)
-
-
 EXIT_USAGE = 2  # bad input: flags, files, hardware (a UsageError)
-
-
 EXIT_STOPPED = 3  # stopped cleanly by a signal, checkpoint written, not finished
-
-
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-
-
 PEER_SILENT = ("Timed out", "timed out", "Timeout")
 
 
