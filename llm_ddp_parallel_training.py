@@ -21,11 +21,12 @@ in the order the data flows; after a banner, sections 8-17 make it production-gr
                             the token cache
    11. Pretrained models    Qwen2.5, Llama, Gemma, Mistral, Phi-3, ... with LoRA; the tiny model's
                             size check
-   12. Sync reports         how the gradients travel, what sharding cannot do, whole tensors from shards
-   13. Check                replica fingerprints (--verify-sync), the learner's report (--inspect),
-                            the timeline (--trace-steps)
-   14. Step side work       warmup, precision, faults on purpose, phase timers, stop requests
-   15. Evaluate and report  held-out loss, progress, metrics, plots, the trace file, the memory table,
+   12. Reports and checks   how gradients travel, the whole state from shards, --inspect,
+                            --verify-sync
+   13. Timeline             every rank's first --trace-steps steps on one clock, as a trace file
+                            and a picture
+   14. Step side work       warmup, precision, faults on purpose, the step's side work, stop requests
+   15. Evaluate and report  held-out loss, progress, metrics, MFU, the loss plot, the memory table,
                             summary
    16. Save                 rank 0 writes while the others wait for it; locks, checkpoints and
                             resume, stop markers
@@ -5221,10 +5222,6 @@ def prepare_metrics_file(cfg: RunConfig, start_step: int) -> None:
 CHECKPOINT_FORMAT = 1
 
 
-def checkpoint_root(cfg: RunConfig) -> Path:
-    return cfg.output_dir / "checkpoints"
-
-
 def capture_rng(d: Dist) -> dict:
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     return {
@@ -5303,42 +5300,6 @@ def run_settings(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
     return settings
 
 
-def training_state(
-    d: Dist,
-    settings: dict,
-    model: nn.Module,
-    named_params: list[tuple[str, nn.Parameter]],
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler | None,
-    progress: Progress,
-) -> dict | None:
-    """The state to save, built on rank 0 alone (None elsewhere).
-
-    A collective: the RNG states are the one part that differs by rank, so every rank sends
-    its own to rank 0. Under DDP, weights and optimizer state are identical everywhere (that
-    is its contract), so rank 0 copies its own; under sharding every rank sends its shards, and
-    rank 0 writes the same whole state DDP would: any sharding resumes from it.
-    """
-    rng: list = [capture_rng(d)]
-    if d.distributed:
-        rng = [None] * d.world_size if d.is_main else None
-        dist.gather_object(capture_rng(d), rng, dst=0)
-    # Trainable weights only: the whole tiny model, or just the LoRA adapters (the frozen
-    # base comes back from --model-name-or-path).
-    trainable, optimizer_state = model.rank0_state(d, named_params, optimizer)
-    if not d.is_main:
-        return None
-    return {
-        "format": CHECKPOINT_FORMAT,
-        "progress": asdict(progress),
-        "trainable": trainable,
-        "optimizer": optimizer_state,
-        "scaler": scaler.state_dict() if scaler else None,
-        "rng": rng,  # indexed by rank: each rank's dropout stream continues where it was
-        "settings": settings,
-    }
-
-
 class StateSaver:
     """Saves the full training state at the current step, once: a stop right after a save has that
     checkpoint already. `settings` (run_settings, rank 0 only) go into every checkpoint."""
@@ -5346,37 +5307,47 @@ class StateSaver:
     def __init__(self, cfg: RunConfig, d: Dist, settings: dict, saved_step: int | None) -> None:
         self.cfg, self.d, self.settings, self.saved_step = cfg, d, settings, saved_step  # the step on disk
 
-    def save(
-        self,
-        model: nn.Module,
-        named_params: list[tuple[str, nn.Parameter]],
-        optimizer: torch.optim.Optimizer,
-        scaler: torch.amp.GradScaler | None,
-        progress: Progress,
-    ) -> None:
-        if progress.step == self.saved_step:
+    def save(self, model: Replicas, named_params: list, optimizer: torch.optim.Optimizer,
+             scaler: torch.amp.GradScaler | None, progress: Progress) -> None:  # fmt: skip
+        """A collective: the RNG states are the one part that differs by rank, so every rank sends its
+        own to rank 0; the model gives the rest whole on rank 0 (DDP's replicas are identical, its
+        copy will do; shards are gathered): any layout resumes from it. Rank 0 alone writes."""
+        cfg, d, step = self.cfg, self.d, progress.step
+        if step == self.saved_step:
             return
-        state = training_state(self.d, self.settings, model, named_params, optimizer, scaler, progress)
-        save_training_state(self.cfg, self.d, state, progress.step)
-        self.saved_step = progress.step
+        rng: list = [capture_rng(d)]
+        if d.distributed:
+            rng = [None] * d.world_size if d.is_main else None
+            dist.gather_object(capture_rng(d), rng, dst=0)
+        # Trainable weights only: the whole tiny model, or just the LoRA adapters (the frozen
+        # base comes back from --model-name-or-path).
+        trainable, optimizer_state = model.rank0_state(d, named_params, optimizer)
+        state = {
+            "format": CHECKPOINT_FORMAT,
+            "progress": asdict(progress),
+            "trainable": trainable,
+            "optimizer": optimizer_state,
+            "scaler": scaler.state_dict() if scaler else None,
+            "rng": rng,  # indexed by rank: each rank's dropout stream continues where it was
+            "settings": self.settings,
+        }
 
+        def write() -> Path:
+            folder = cfg.output_dir / "checkpoints" / f"step_{step:08d}"
+            folder.mkdir(parents=True, exist_ok=True)
+            data = io.BytesIO()
+            torch.save(state, data)
+            if due_fault(cfg, d, step) == "save":  # teaching aid: die with half a file on disk
+                (folder / f".state.pt.tmp-{os.getpid()}").write_bytes(data.getvalue()[: len(data.getvalue()) // 2])
+                crash_on_purpose("kill", d, step)
+            atomic_write(folder / "state.pt", data.getvalue())
+            manifest = {"format": CHECKPOINT_FORMAT, "step": step, "sha256": {"state.pt": sha256(data.getvalue())}}
+            atomic_write(folder / "manifest.json", json.dumps(manifest, indent=1).encode())  # the completion marker
+            prune_checkpoints(cfg)
+            return folder
 
-def save_training_state(cfg: RunConfig, d: Dist, state: dict | None, step: int) -> None:
-    def write() -> Path:
-        folder = checkpoint_root(cfg) / f"step_{step:08d}"
-        folder.mkdir(parents=True, exist_ok=True)
-        data = io.BytesIO()
-        torch.save(state, data)
-        if due_fault(cfg, d, step) == "save":  # teaching aid: die with half a file on disk
-            (folder / f".state.pt.tmp-{os.getpid()}").write_bytes(data.getvalue()[: len(data.getvalue()) // 2])
-            crash_on_purpose("kill", d, step)
-        atomic_write(folder / "state.pt", data.getvalue())
-        manifest = {"format": CHECKPOINT_FORMAT, "step": step, "sha256": {"state.pt": sha256(data.getvalue())}}
-        atomic_write(folder / "manifest.json", json.dumps(manifest, indent=1).encode())  # the completion marker
-        prune_checkpoints(cfg)
-        return folder
-
-    rank0_writes(d, f"training state at step {step}", write)
+        rank0_writes(d, f"training state at step {step}", write)
+        self.saved_step = step
 
 
 def sha256(data: bytes) -> str:
@@ -5434,22 +5405,17 @@ def read_checkpoint(folder: Path) -> dict:
     return state
 
 
-def is_verified(folder: Path) -> bool:
-    try:
-        verified_state_bytes(folder)
-    except UsageError:
-        return False
-    return True
-
-
 def prune_checkpoints(cfg: RunConfig) -> None:
     """Keep the newest --keep-last *verified* checkpoints; delete older ones and older debris.
 
     Checked, not trusted: a folder counts only once its state.pt matches its manifest, so a
     damaged folder can never push a good one out, and the newest good one always stays.
     """
-    folders = checkpoint_folders(checkpoint_root(cfg))
-    verified = [f for f in folders if is_verified(f)]
+    folders, verified = checkpoint_folders(cfg.output_dir / "checkpoints"), []
+    for folder in folders:
+        with contextlib.suppress(UsageError):
+            verified_state_bytes(folder)
+            verified.append(folder)
     if not verified:
         return
     newest = checkpoint_step(verified[0])
@@ -5458,19 +5424,17 @@ def prune_checkpoints(cfg: RunConfig) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def find_resume_state(cfg: RunConfig, d: Dist, settings: dict, final_name: str) -> dict | None:
-    """Rank 0 picks and reads the checkpoint to resume from; every rank gets the same state.
-
-    Only rank 0 reads, so a checkpoint on rank 0's local disk is enough, and rank 0's choice
-    (including skipping a damaged checkpoint) reaches every rank through one broadcast.
-    """
-    choose = functools.partial(choose_checkpoint, cfg, settings, final_name)
-    return rank0_then_share(d, "could not read the checkpoint", choose, UsageError)
-
-
 def choose_checkpoint(cfg: RunConfig, settings: dict, final_name: str) -> dict | None:
-    root = checkpoint_root(cfg)
-    mode = resume_mode(cfg)
+    """The checkpoint state to resume from, or None to start from step 0 (rank 0 alone reads: a
+    checkpoint on its local disk is enough, and its choice reaches every rank in one broadcast).
+
+    --resume, except in an attempt torchrun restarted: a restart must continue from the newest
+    checkpoint this job wrote; going back to --resume PATH would throw away everything trained
+    since, and --resume none would set it all aside."""
+    root, mode = cfg.output_dir / "checkpoints", cfg.resume
+    if mode != "auto" and restart_count() > 0:
+        say(f"[resume] torchrun restarted the job: --resume {cfg.resume} was for its first attempt; using auto")
+        mode = "auto"
     if mode == "none":
         keep_a_finished_model(cfg, final_name)
         if root.exists():
@@ -5494,8 +5458,11 @@ def choose_checkpoint(cfg: RunConfig, settings: dict, final_name: str) -> dict |
     newest = " the newest complete checkpoint" if mode == "auto" else ""
     say(f"[resume] continuing from {folder} (step {step},{newest})".replace(",)", ")"))
     retire_newer_checkpoints(cfg, step)
-    if state["settings"].get("max_steps", cfg.max_steps) != cfg.max_steps:
-        say(describe_schedule_change(cfg, state["settings"]["max_steps"], step))
+    if (saved_max_steps := state["settings"].get("max_steps", cfg.max_steps)) != cfg.max_steps:
+        before = lr_at(replace(cfg, max_steps=saved_max_steps), step)
+        say(f"[resume] --max-steps {cfg.max_steps} (the checkpoint's run had {saved_max_steps}): the schedule now "
+            f"spans {cfg.max_steps} steps, so the lr goes from {before:.3g} at step {step} to "
+            f"{lr_at(cfg, step + 1):.3g} at step {step + 1}")  # fmt: skip
     return state
 
 
@@ -5515,18 +5482,6 @@ def keep_a_finished_model(cfg: RunConfig, final_name: str) -> None:
     os.replace(final, aside)
     say(f"[outputs] {final} was an earlier run's finished model: moved to {aside} (an --output-dir of its own keeps "
         "a run apart)")  # fmt: skip
-
-
-def resume_mode(cfg: RunConfig) -> str:
-    """auto, none or a path: --resume, except in an attempt torchrun restarted.
-
-    A restart must continue from the newest checkpoint this job wrote: going back to --resume
-    PATH would throw away everything trained since, and --resume none would set it all aside.
-    """
-    if cfg.resume != "auto" and restart_count() > 0:
-        say(f"[resume] torchrun restarted the job: --resume {cfg.resume} was for its first attempt; using auto")
-        return "auto"
-    return cfg.resume
 
 
 def unused_path(path: Path) -> Path:
@@ -5562,7 +5517,7 @@ def newest_usable_checkpoint(root: Path) -> tuple[Path | None, dict | None]:
 def retire_newer_checkpoints(cfg: RunConfig, step: int) -> None:
     """Continuing from `step` abandons every checkpoint after it: set those aside, so that a
     later --resume auto can never pick up the abandoned line (and pruning never weighs it)."""
-    newer = [f for f in checkpoint_folders(checkpoint_root(cfg)) if checkpoint_step(f) > step]
+    newer = [f for f in checkpoint_folders(cfg.output_dir / "checkpoints") if checkpoint_step(f) > step]
     debris = [f for f in newer if not (f / "manifest.json").exists()]  # interrupted writes: nothing to keep
     for folder in debris:
         shutil.rmtree(folder, ignore_errors=True)
@@ -5573,15 +5528,6 @@ def retire_newer_checkpoints(cfg: RunConfig, step: int) -> None:
         for folder in kept:
             os.replace(folder, aside / folder.name)
         say(f"[resume] {len(kept)} checkpoint(s) after step {step} belong to the abandoned run: moved to {aside}")
-
-
-def describe_schedule_change(cfg: RunConfig, saved_max_steps: int, step: int) -> str:
-    before = lr_at(replace(cfg, max_steps=saved_max_steps), step)
-    return (
-        f"[resume] --max-steps {cfg.max_steps} (the checkpoint's run had {saved_max_steps}): the schedule now spans "
-        f"{cfg.max_steps} steps, so the lr goes from {before:.3g} at step {step} to {lr_at(cfg, step + 1):.3g} "
-        f"at step {step + 1}"
-    )
 
 
 def check_same_run(state: dict, settings: dict, folder: Path) -> None:
@@ -5699,7 +5645,8 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
 
     rank0_writes(d, "the outputs", lambda: prepare_outputs(cfg), error=UsageError)
     settings = run_settings(cfg, d, kit) if d.is_main else {}  # what a checkpoint must match to resume
-    resume = find_resume_state(cfg, d, settings, kit.final_name)
+    choose = functools.partial(choose_checkpoint, cfg, settings, kit.final_name)
+    resume = rank0_then_share(d, "could not read the checkpoint", choose, UsageError)
     if cfg.metrics_file:
         start = resume["progress"]["step"] if resume else 0
         rank0_writes(d, "the metrics file", lambda: prepare_metrics_file(cfg, start), error=UsageError)

@@ -35,13 +35,13 @@ def test_the_docstring_map_names_every_section_banner_in_order():
 
 
 def test_every_ddp_mechanism_and_the_whole_training_loop_come_within_the_first_1300_lines():
-    mechanisms = ["dist.init_process_group(", "DistributedSampler(", "DDP(", "class ManualDDP", "no_sync(model)",
+    mechanisms = ["dist.init_process_group(", "DistributedSampler(", "DDP(", "class ManualDDP", "model.no_sync()",
                   "dist.all_reduce(loss_sum)", "def train("]  # fmt: skip
     where = {text: first_line(text) for text in mechanisms}
     assert all(line <= TEACHING_CORE_LINES for line in where.values()), where
     train = next(n for n in ast.parse(SOURCE).body if isinstance(n, ast.FunctionDef) and n.name == "train")
     assert train.end_lineno <= TEACHING_CORE_LINES
-    assert train.end_lineno - train.lineno + 1 <= 125, "train() stays short: side work lives in named helpers"
+    assert train.end_lineno - train.lineno + 1 <= 100, "train() reads as the DDP steps: side work lives in SideWork"
 
 
 def test_one_banner_separates_the_teaching_core_from_the_production_machinery():
