@@ -5727,20 +5727,6 @@ PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pi
 PEER_SILENT = ("Timed out", "timed out", "Timeout")
 
 
-def is_peer_failure(error: BaseException) -> bool:
-    """A collective failed because another rank went away (it crashed, was killed, or hung)."""
-    return isinstance(error, dist.DistError) or any(sign in str(error) for sign in PEER_GONE + PEER_SILENT)
-
-
-def describe_peer_failure(cfg: RunConfig, d: Dist, error: BaseException) -> str:
-    if any(sign in str(error) for sign in PEER_SILENT):
-        return (
-            f"rank {d.rank}: another rank did not answer within --timeout-s {cfg.timeout_s:g} "
-            f"(it hung, or is far slower): {first_line(error)}"
-        )
-    return f"rank {d.rank} lost contact with another rank, which probably failed first: {first_line(error)}"
-
-
 def report_error(message: str, every_rank: bool = False, after_peer: bool = False) -> None:
     # Input errors are identical on every rank: under torchrun one line per machine is enough.
     # A lost peer is seen differently by each rank, so each says it; and a process that
@@ -5790,11 +5776,19 @@ def report_failure(error: Exception, cfg: RunConfig | None, d: Dist | None) -> i
     if isinstance(error, TrainingError):  # before the process group, every rank has its own reason
         report_error(str(error), every_rank=d is None)
         return 1
-    if not (d and d.distributed and is_peer_failure(error)):
+    # A collective that failed because another rank went away (it crashed, was killed, or hung) is
+    # not this rank's fault: say so in one line, on every rank (each saw it from its own side); the
+    # failed rank's own error and torchrun's summary say what happened there.
+    silent = any(sign in str(error) for sign in PEER_SILENT)
+    if not (d and d.distributed and (isinstance(error, dist.DistError) or silent or any(
+            sign in str(error) for sign in PEER_GONE))):  # fmt: skip
         raise error
-    # Not this rank's fault: say so in one line, on every rank (each saw it from its own side);
-    # the failed rank's own error and torchrun's summary say what happened there.
-    report_error(describe_peer_failure(cfg, d, error), every_rank=True, after_peer=True)
+    if silent:
+        report_error(f"rank {d.rank}: another rank did not answer within --timeout-s {cfg.timeout_s:g} (it hung, "
+                     f"or is far slower): {first_line(error)}", every_rank=True, after_peer=True)  # fmt: skip
+    else:
+        report_error(f"rank {d.rank} lost contact with another rank, which probably failed first: {first_line(error)}",
+                     every_rank=True, after_peer=True)  # fmt: skip
     return 1
 
 
