@@ -1941,17 +1941,15 @@ def pretrained_flags_given(parser: argparse.ArgumentParser, argv: list[str], arg
 
 # PyTorch's Windows wheels are built without libuv, which its TCPStore uses by default elsewhere.
 USE_LIBUV = not sys.platform.startswith("win")
+LAUNCHER_PIPE = "LLM_DDP_LAUNCHER_PIPE"  # set by --nproc: the rank's stdin is a pipe from its launcher
+LAUNCHER_GONE_GRACE_S = 60.0
 
 
 def launch_local_ranks(cfg: RunConfig, argv: list[str]) -> int:
-    """--nproc N: start N ranks of this script on this machine, as torchrun --standalone would.
-
-    The launcher hosts the rendezvous store on a free port and gives each rank torchrun's
-    environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, the agent store, a run id), so
-    every rank runs exactly the code path it runs under torchrun. It forwards SIGINT and SIGTERM
-    to the ranks (they take a repeat within seconds as the same request), and when a rank fails
-    it gives the others a few seconds to notice and say so, then stops them.
-    """
+    """--nproc N: start N ranks of this script on this machine, as torchrun --standalone would, each
+    with torchrun's environment, so that every rank runs exactly the code path it runs under torchrun.
+    SIGINT and SIGTERM are forwarded (a rank takes a repeat within seconds as the same request); when
+    a rank fails, the others get a few seconds to notice and say so, then are stopped."""
     if launched_by_torchrun():
         raise UsageError("--nproc starts its own ranks: under torchrun, leave it out (--nproc_per_node sets the count)")
     store = dist.TCPStore(
@@ -2013,21 +2011,12 @@ def launch_local_ranks(cfg: RunConfig, argv: list[str]) -> int:
                 rank.kill()
 
 
-LAUNCHER_PIPE = "LLM_DDP_LAUNCHER_PIPE"  # set by --nproc: the rank's stdin is a pipe from its launcher
-
-
-LAUNCHER_GONE_GRACE_S = 60.0
-
-
 def end_with_the_launcher() -> None:
     """--nproc ranks end when their launcher does, however it ends (a notebook kernel killed, the
-    OOM killer): left running, they would train on, write, and hold run.lock, unseen.
-
-    The operating system closes the launcher's end of each rank's stdin pipe when it exits, on
-    every platform, so a thread here reads until the end of the pipe. Then the rank asks itself to
-    stop, as SIGTERM does: every rank learns it at once, all stop after the same step and write a
-    checkpoint. A rank still running LAUNCHER_GONE_GRACE_S later leaves anyway.
-    """
+    OOM killer): left running, they would train on, write, and hold run.lock, unseen. The operating
+    system closes the launcher's end of each rank's stdin pipe, on every platform; the rank then
+    stops as on SIGTERM (all ranks after the same step, with a checkpoint), or leaves anyway
+    LAUNCHER_GONE_GRACE_S later."""
     if os.environ.get(LAUNCHER_PIPE) != "1":
         return
 
@@ -2052,11 +2041,9 @@ def end_with_the_launcher() -> None:
 
 
 def rank_facts_from_env() -> tuple[int, int, int, int]:
-    """(rank, world size, local rank, local world size) as torchrun exported them, checked.
-
-    A leftover `export RANK=...` or a hand-made launch can set them inconsistently; that gets
-    one line now, not a ValueError from init_process_group or a wait for ranks that never come.
-    """
+    """(rank, world size, local rank, local world size) as torchrun exported them, checked: a
+    leftover `export RANK=...` or a hand-made launch gets one line now, not a ValueError from
+    init_process_group or a wait for ranks that never come."""
     env = os.environ
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
     shown = ", ".join(f"{n}={env[n]}" for n in names if n in env)
@@ -2076,15 +2063,16 @@ def rank_facts_from_env() -> tuple[int, int, int, int]:
 
 def rendezvous_store(timeout: timedelta) -> tuple[dist.Store | None, str | None]:
     """The key-value store the ranks meet in (None: let torch build it from MASTER_ADDR/PORT), and
-    the launch this process belongs to (see launch_token).
+    the launch this process belongs to (see launch_token; without an agent store, the launcher's
+    run id and pid, our parent's).
 
-    torchrun's agent hosts one store for the whole job and keeps it across restarts. The
-    ranks of a restarted attempt would find the dead attempt's addresses still in it, and
-    can connect to those before their peers overwrite them (pytorch#135712): the restart
-    then hangs until the timeout. A key prefix per attempt keeps each attempt's keys apart.
+    torchrun's agent keeps one store across restarts, and a restarted attempt's ranks could
+    connect to the dead attempt's addresses still in it before their peers overwrite them
+    (pytorch#135712), then hang until the timeout: a key prefix per attempt keeps them apart.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None, launch_without_agent_store()
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+        return None, f"{run_id}@{socket.gethostname()}:{os.getppid()}" if run_id is not None else None
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout, use_libuv=USE_LIBUV
     )
@@ -2093,30 +2081,18 @@ def rendezvous_store(timeout: timedelta) -> tuple[dist.Store | None, str | None]
 
 
 def launch_token(store: dist.Store) -> str:
-    """A name for this torchrun launch, the same in every restart of it and new in the next launch.
-
-    The agent's store is exactly that: it lives as long as one launch and survives its restarts.
-    The first rank to ask writes a random token there; every other rank, in this attempt and in
-    every restart, reads the same one. (Run ids repeat across launches: torchrun's default
-    --rdzv-id is "none", and a requeued Slurm job keeps its id. The agent's pid is not the ranks'
-    parent when anything sits between, as with torchrun --no-python bash -c "python ...".)
-    """
+    """A name for this torchrun launch, the same in every restart of it and new in the next: a
+    random token kept in the agent's store, which lives exactly as long as one launch. (Run ids
+    repeat across launches: torchrun's default --rdzv-id is "none", and a requeued Slurm job keeps
+    its id. The agent's pid is not the ranks' parent when anything sits between, as with torchrun
+    --no-python bash -c "python ...".)"""
     return store.compare_set("llm_ddp/launch", "", os.urandom(8).hex()).decode()
-
-
-def launch_without_agent_store() -> str | None:
-    """Under a launcher without an agent store: its run id and the launcher (our parent)."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    return f"{run_id}@{socket.gethostname()}:{os.getppid()}" if run_id is not None else None
 
 
 def meet_without_deadline(d: Dist, name: str, problem: str) -> str:
     """Wait, for as long as it takes, until every rank gets here; return the first problem any
-    rank brought ('' if none).
-
-    The meeting is in the rendezvous store, not a collective: every collective is bounded by
-    --timeout-s, and what the ranks wait for here (a download) may take longer.
-    """
+    rank brought ('' if none). In the rendezvous store, not a collective: every collective is
+    bounded by --timeout-s, and what the ranks wait for here (a download) may take longer."""
     failed, arrived = f"{name}/failed", f"{name}/arrived"
     if problem:
         d.store.set(failed, problem)  # before arriving, so no rank can see everyone arrived without it
