@@ -2110,10 +2110,7 @@ def meet_without_deadline(d: Dist, name: str, problem: str) -> str:
 # The corpus file: a .txt file holds one text sample per line; a .jsonl file holds one JSON
 # record per line, in one of the schemas fine-tuning users bring (TRL's, ShareGPT, Alpaca).
 # Every record becomes text, a conversation, or a prompt with its completion.
-
 ROLES = ("system", "user", "assistant")
-
-
 SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant"}
 
 
@@ -2129,12 +2126,8 @@ class Record:
 
 
 # ----- the token cache: each record tokenized once, by one process per machine, read by every rank -----
-#
-# A corpus becomes flat arrays, written once into --cache-dir under a key made of everything that
-# decides the tokens; a later run, a resume or a restart with the same inputs reads them and
-# tokenizes nothing. Rank 0 builds first; then the first rank of each machine that cannot see its
-# cache (a node-local --cache-dir) builds its own; then every other rank opens what they built.
-
+# A corpus becomes flat arrays in --cache-dir, under a key made of everything that decides the tokens
+# (corpus_key): a later run, a resume or a restart with the same inputs tokenizes nothing.
 CACHE_FORMAT = 1  # raise when what a cache holds, or how records become tokens, changes
 CHUNK_RECORDS = 2000  # records a tokenizing process takes at a time; a source of one chunk starts no pool
 TEXT_CHUNK_BYTES = 4 << 20  # a text corpus is cleaned this many bytes at a time: memory stays flat
@@ -2159,8 +2152,7 @@ def not_utf8(path: Path, offset: int) -> UsageError:
 
 def file_blocks(path: Path) -> Iterator[tuple[int, bytes]]:
     """(offset, bytes) of the file's whole lines, TEXT_CHUNK_BYTES or so at a time, checked to be UTF-8.
-    A byte-order mark (Windows editors add one) is dropped: trained on, it would be three bytes of
-    noise at the start of the first line."""
+    A byte-order mark (Windows editors add one) is dropped: it is not text."""
     check_readable(path)
     try:
         with open(path, "rb") as f:
@@ -2264,15 +2256,14 @@ def check_text_format(data_format: str, path: Path) -> None:
 
 
 def text_lines(path: Path) -> Iterator[str]:
-    """A text corpus's lines, stripped, blank ones dropped."""
-    for _, block in file_blocks(path):
+    for _, block in file_blocks(path):  # stripped, blank ones dropped
         kept, _ = clean_lines(block)
         yield from kept.tobytes().decode("utf-8").split("\n")[:-1]
 
 
 def read_corpus_lines(path: Path) -> list[str]:
-    """One training sample per line, stripped; blank lines are skipped. (Training streams the file
-    into the token cache instead, section 10: this is for a look at a small file.)"""
+    """One training sample per line, stripped, blank ones dropped: a look at a small file (training
+    streams the file into the token cache)."""
     lines = list(text_lines(path))
     if not lines:
         raise UsageError(f"corpus file has no non-blank lines: {path}")
@@ -2301,9 +2292,8 @@ class Examples(Dataset):
 
 
 def read_records(path: Path, data_format: str, limit: int | None = None) -> tuple[list[Record], str]:
-    """The corpus file's records (its first `limit`) and their format, in memory: for a look at a
-    few (--show-examples) or a small file of one's own; training streams them into the token cache.
-    Any bad record ends the run, naming its line."""
+    """The corpus file's records (its first `limit`) and their format, in memory: a look at a few
+    (--show-examples) or a small file of one's own. Any bad record ends the run, naming its line."""
     if not is_jsonl(path):
         check_text_format(data_format, path)
         records = [Record(text=line) for line in itertools.islice(text_lines(path), limit)]
@@ -2467,7 +2457,9 @@ def tokenize_record(
     try:
         full = render_chat(record.messages, tokenizer)
         # Every token a target needs no mask, so any template will do for --train-on-prompt.
-        targets = [] if train_on_prompt else target_ranges(chat_segments(record.messages, tokenizer, masking, full))
+        segments = [] if train_on_prompt else chat_segments(record.messages, tokenizer, masking, full)
+        ends = itertools.accumulate(len(text) for text, _ in segments)
+        targets = [(end - len(text), end) for (text, target), end in zip(segments, ends, strict=True) if target]
         users = message_ranges(record.messages, tokenizer, masking, full, refuse=not train_on_prompt)
         seq = encode_with_targets(full, targets, users, tokenizer)
         return TokenSequence(seq.ids, [train_on_prompt or t for t in seq.is_target])
@@ -2550,16 +2542,6 @@ def characters_within(ranges: list[tuple[int, int]], n: int) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(np.cumsum(edges) > 0)])
 
 
-def target_ranges(segments: list[tuple[str, bool]]) -> list[tuple[int, int]]:
-    """(start, end) character ranges of the target segments, in the text the segments spell."""
-    ranges, at = [], 0
-    for text, target in segments:
-        if target:
-            ranges.append((at, at + len(text)))
-        at += len(text)
-    return ranges
-
-
 def message_ranges(
     turns: tuple[tuple[str, str], ...],
     tokenizer: PreTrainedTokenizerBase,
@@ -2567,15 +2549,12 @@ def message_ranges(
     full: str,
     refuse: bool = True,
 ) -> list[tuple[int, int]]:
-    """Where each message's own text lies in `full`, the template's rendering of the conversation.
-
-    Rendered with a marker in place of each message, the template shows what is its own text and
-    where each message goes; `full` must be that text with each message put back (as it is, or
-    trimmed, as some templates do). If the template changes messages in other ways, [] is
-    returned when no message spells a special token (nothing to keep apart), else the record is
-    refused: its text could not be kept from becoming control tokens. (Unless refuse is False:
-    --train-on-prompt trains on any template that renders, and every token is a target anyway.)
-    """
+    """Where each message's own text lies in `full`, the template's rendering of the conversation:
+    rendered with a marker in place of each message, the template shows what is its own text, and
+    `full` must be that with each message put back (as it is, or trimmed, as some templates do).
+    A template that changes messages otherwise gives [] if no message spells a special token
+    (nothing to keep apart); else the record is refused, unless refuse is False (--train-on-prompt
+    trains on any template that renders: every token is a target anyway)."""
     marks = [f"\ue000{i}\ue001" for i in range(len(turns))]  # private-use characters: never in a template
     roles = tuple(role for role, _ in turns)
     if roles not in masking.marked:
@@ -2637,13 +2616,11 @@ def chat_segments(
     Targets are each assistant reply and the special token that closes its turn (Qwen's
     <|im_end|>, Llama 3's <|eot_id|>, Mistral's </s>): a model that never learned to emit it never
     stops. The mask comes from the template itself, not from {% generation %} markers (Qwen2.5's
-    stock template has none, and transformers' return_assistant_tokens_mask is then all zeros,
-    transformers#34172): render the conversation up to reply i with the generation prompt (what
-    the model is shown when asked to reply), then through reply i; the second extends the first,
+    stock template has none, and return_assistant_tokens_mask is then all zeros, transformers#34172):
+    the conversation through reply i extends its rendering up to reply i with the generation prompt,
     and what it appends holds the reply, closed by a special token. Text the template puts before
     the reply (Mistral's separating space) is prompt; whitespace it trims off a reply (Llama 3,
-    Gemma) is not part of the target. A template for which that does not hold is refused.
-    (`full`: the whole conversation's rendering, when the caller has it already.)
+    Gemma) is not target. A template for which that does not hold is refused.
     """
 
     def render(upto: int, generation_prompt: bool) -> str:
@@ -2695,13 +2672,6 @@ def find_reply(appended: str, content: str, masking: ChatMasking) -> tuple[int, 
 def clip(text: str, n: int) -> str:
     """The first n characters of text, for a message; "..." says where it was cut."""
     return text if len(text) <= n else text[:n] + "..."
-
-
-def encode_held_out(records: list[Record] | Tokens, tokenizer: PreTrainedTokenizerBase, cfg: RunConfig) -> TokenRows:
-    try:
-        return encode_records_with_tokenizer(records, tokenizer, cfg.seq_len, cfg.train_on_prompt)[0]
-    except UsageError as e:
-        raise UsageError(f"held-out records (--val-fraction {cfg.val_fraction}): {e}") from None
 
 
 def turn_closing_token(tokenizer: PreTrainedTokenizerBase) -> int | None:
@@ -2815,14 +2785,11 @@ class Pieces:
 
 
 class ShiftingWindows(Rows):
-    """Packed training data: one byte stream, cut into seq_len windows at an offset that moves
-    every epoch. Every window is full: no compute goes to padding.
-
-    A cut that never moved would put each byte at the same position of the same window in
-    every epoch, and a small model then memorizes "this byte at that position" instead of the
-    text, and fails on the same text anywhere else (as when sampling from a prompt). The offset
-    comes from --seed and the epoch: the same on every rank, and the same again on resume.
-    """
+    """Packed training data: one byte stream, cut into seq_len windows (every one full: no compute
+    goes to padding) at an offset that moves every epoch, drawn from --seed and the epoch: the same
+    on every rank, and again on resume. A cut that never moved would put each byte at the same
+    position of the same window in every epoch, and a small model then memorizes "this byte at that
+    position" instead of the text, and fails on the same text anywhere else (as when sampling)."""
 
     def __init__(self, corpus: Lines, seq_len: int, seed: int) -> None:
         self.stream, self.seq_len, self.seed, self.offset = Pieces(corpus), seq_len, seed, 0
@@ -2867,13 +2834,10 @@ class ByteWindows(Rows):
     def __len__(self) -> int:
         return int(self.cum[-1])
 
-    def window(self, i: int) -> tuple[int, int]:
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         span = int(np.searchsorted(self.cum, i, side="right")) - 1
         cut = (i - int(self.cum[span])) * self.seq_len
-        return int(self.starts[span]) + cut, min(self.seq_len + 1, int(self.lengths[span]) - cut)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = self.stream.read(*self.window(i))
+        ids = self.stream.read(int(self.starts[span]) + cut, min(self.seq_len + 1, int(self.lengths[span]) - cut))
         inputs = torch.zeros(self.seq_len, dtype=torch.long)
         targets = torch.full((self.seq_len,), IGNORE_INDEX, dtype=torch.long)
         inputs[: len(ids) - 1], targets[: len(ids) - 1] = ids[:-1], ids[1:]
@@ -2891,20 +2855,11 @@ class ByteWindows(Rows):
 
 
 def encode_lines_as_bytes(lines: list[str], seq_len: int, pack: bool) -> ByteWindows:
-    """Byte-level examples. Every line is framed by newlines: b"\n" + line + b"\n".
-
-    The opening newline is the "start of line" the first byte is predicted from; the closing
-    newline teaches the model where a line ends (and where sampling stops).
-
-    pack=True: the framed lines form one stream, cut into windows of seq_len targets (only
-      the last is padded). Validation uses these fixed windows; training cuts the same stream
-      at a moving offset (ShiftingWindows).
-    pack=False: one line per example, right-padded. Real token counts then differ between
-      examples, between ranks and between micro-steps, which is what makes the choice of
-      loss normalization matter (see loss_scale).
-    Either way, a span longer than seq_len is cut into windows that overlap by one byte, so
-    every byte is a target exactly once; padded positions get IGNORE_INDEX.
-    """
+    """Byte-level examples (ByteWindows) of lines, each framed by newlines: b"\n" + line + b"\n".
+    The opening newline is the "start of line" the first byte is predicted from; the closing one
+    teaches the model where a line ends (and where sampling stops). pack=False: one line an example,
+    so real token counts differ between examples, ranks and micro-steps, which is what makes the
+    choice of loss normalization matter (see loss_scale)."""
     return ByteWindows(Lines.from_texts(lines), seq_len, pack)
 
 
@@ -2940,7 +2895,6 @@ class TokenRows(Rows):
         positions = torch.zeros(self.seq_len, dtype=torch.long)
         at = 0
         for j in range(self.row_starts[r], self.row_starts[r + 1]):
-            # Each example keeps its own inputs, targets and positions: nothing crosses over.
             # Targets are masked by *position*, never by token id: Qwen's pad token may equal its
             # EOS, and masking by id would also hide every real EOS from the loss.
             start, n = int(self.tokens.offsets[self.records[j]]), int(self.lengths[j]) - 1
@@ -3073,13 +3027,10 @@ def show_examples(cfg: RunConfig, d: Dist, records: list[Record]) -> None:
 
 def flatten_rows(batch: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
     """The micro-batch's packed rows laid end to end as one row, position_ids restarting at 0 for
-    each example (transformers' flattening collator does the same).
-
-    Under flash_attention_2, transformers reads position_ids as sequence boundaries only in a
-    batch of one row (_is_packed_sequence); then flash-attn's variable-length kernel keeps every
-    example to itself. With several rows it runs plain causal attention over each whole row, and
-    the examples packed into a row would attend to each other.
-    """
+    each example, as transformers' flattening collator does: under flash_attention_2, transformers
+    reads position_ids as sequence boundaries (flash-attn's variable-length kernel keeps every
+    example to itself) only in a batch of one row (_is_packed_sequence). With several rows the
+    examples packed into a row would attend to each other."""
     return tuple(t.reshape(1, -1) for t in trim_padding(batch))
 
 
@@ -3553,18 +3504,13 @@ def corpus_from(arrays: dict[str, np.ndarray | FileArray], meta: dict, key: str)
 
 # The pretrained path's outputs keep the names they had when it served Qwen alone: users' scripts read them.
 QWEN_FINAL = "qwen_lora"  # the trained adapters and tokenizer, in OUTPUT_DIR
-
-
 QWEN_FULL_FINAL = "qwen_full"  # --finetune full: the whole fine-tuned model and tokenizer, in OUTPUT_DIR
 
 
 def check_model_fits(n_params: int, d: Dist) -> None:
-    """Refuse, before allocating, a model whose training state cannot fit in this device's memory.
-
-    Weights, gradients and AdamW's two moments take 16 bytes a parameter (fp32). Without this
-    check a huge --d-model ends in an allocation traceback, and a huge --n-layers builds
-    layers until the operating system kills the process.
-    """
+    """Refuse, before allocating, a model whose training state (weights, gradients and AdamW's two
+    moments: 16 bytes a parameter in fp32) cannot fit in this device's memory: else a huge --d-model
+    ends in an allocation traceback, and a huge --n-layers builds layers until the OOM killer comes."""
     if d.device.type == "cuda":
         have = torch.cuda.get_device_properties(d.device).total_memory
     else:
@@ -3586,7 +3532,7 @@ def build_pretrained_kit(
     """A pretrained causal LM (Qwen2.5 by default) with LoRA adapters, of which only the adapters
     train; or, with --finetune full, the model itself, every weight trained. The records come
     from the token cache (open_corpus), or as Record objects, tokenized here."""
-    dtype = choose_weights_dtype(cfg, d)
+    dtype, lora = choose_weights_dtype(cfg, d), cfg.finetune == "lora"
     tokenizer, model = load_pretrained(cfg, d, dtype)
     if tokenizer.pad_token is None:
         # Any id works for padding: padded positions are masked out of the loss by position.
@@ -3604,11 +3550,11 @@ def build_pretrained_kit(
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-    model = (add_lora(cfg, model) if cfg.finetune == "lora" else model).to(d.device)
+    model = (add_lora(cfg, model) if lora else model).to(d.device)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-    final = QWEN_FINAL if cfg.finetune == "lora" else QWEN_FULL_FINAL
+    final = QWEN_FINAL if lora else QWEN_FULL_FINAL
 
     def save_final(raw: nn.Module, step: int, whole: dict | None = None) -> Path:
         path = cfg.output_dir / final
@@ -3646,7 +3592,12 @@ def build_pretrained_kit(
 
     end_of_turn = turn_closing_token(tokenizer) if chat else None
     train, counts = encode_records_with_tokenizer(records, tokenizer, cfg.seq_len, cfg.train_on_prompt, cfg.pack)
-    val = encode_held_out(val_records, tokenizer, cfg) if len(val_records) else None
+    val = None
+    if len(val_records):
+        try:
+            val = encode_records_with_tokenizer(val_records, tokenizer, cfg.seq_len, cfg.train_on_prompt)[0]
+        except UsageError as e:
+            raise UsageError(f"held-out records (--val-fraction {cfg.val_fraction}): {e}") from None
 
     return ModelKit(
         model=model,
@@ -3656,17 +3607,14 @@ def build_pretrained_kit(
         sample=sample,
         save_final=save_final,
         final_name=final,
-        final_label="LoRA adapters and tokenizer" if cfg.finetune == "lora" else "fine-tuned model and tokenizer",
+        final_label="LoRA adapters and tokenizer" if lora else "fine-tuned model and tokenizer",
         flops_per_token=training_flops_per_token(
-            model,
-            model.config.num_hidden_layers,
-            attention_width(model.config),
-            cfg.seq_len,
+            model, model.config.num_hidden_layers, attention_width(model.config), cfg.seq_len
         ),
         describe=f"{cfg.model_name_or_path} ({dtype})"
         + (
             f" + LoRA r={cfg.lora_r} alpha={cfg.lora_alpha:g} on {','.join(cfg.lora_targets)}"
-            if cfg.finetune == "lora"
+            if lora
             else ", every weight trained"
         )
         + f": {trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.3f}%)",
@@ -3681,11 +3629,7 @@ def reload_pretrained(cfg: RunConfig, dtype: torch.dtype, device: torch.device, 
     """The saved output loaded back on this rank alone: the whole model, or the base plus the adapters."""
     from transformers import AutoModelForCausalLM
 
-    options = {
-        "dtype": dtype,
-        "attn_implementation": cfg.attn_implementation,
-        "trust_remote_code": cfg.trust_remote_code,
-    }
+    options = dict(dtype=dtype, attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code)
     if cfg.finetune == "full":
         return AutoModelForCausalLM.from_pretrained(path, **options).to(device)
     from peft import PeftModel
@@ -3731,14 +3675,11 @@ def gpu_computes_bf16() -> bool:
 
 
 class LeanHeadLoss(nn.Module):
-    """A causal LM whose forward returns the loss sum, computed without full logits.
-
-    Logits for every position of a 151,936-token vocabulary dwarf everything else a LoRA step
-    holds (1.2 GB in fp32 for 2,048 tokens, and as much again for their gradient). Here the
-    head runs only at target positions, in chunks, each under activation checkpointing: backward
-    recomputes one chunk's logits at a time, so at most one chunk's logits and gradient exist.
-    Pure PyTorch, CPU and GPU. DDP wraps this module, so its hooks see every trainable gradient
-    exactly as they would through the model's own forward.
+    """A causal LM whose forward returns the loss sum, computed without full logits: logits for every
+    position of a 151,936-token vocabulary dwarf everything else a LoRA step holds (1.2 GB in fp32
+    for 2,048 tokens, and as much again for their gradient). The head runs only at target positions,
+    in chunks, each under activation checkpointing, so at most one chunk's logits and gradient exist.
+    DDP wraps this module: its hooks see every trainable gradient as through the model's own forward.
 
     No attention mask and no cache: padding sits on the right behind causal attention, and for
     packed rows transformers builds a block-diagonal causal mask from position_ids restarting at
@@ -3798,14 +3739,10 @@ def choose_weights_dtype(cfg: RunConfig, d: Dist) -> torch.dtype:
 
 
 def resolve_model_files(cfg: RunConfig, d: Dist) -> Path:
-    """A local folder is used as it is; a hub name is fetched into the hub's cache.
-
-    Every rank asks the cache: its file locks let one process per machine download each file
-    while the others on that machine wait. Then all ranks meet with no deadline: a download
-    may take longer than --timeout-s, which bounds every collective, and must not be cut short
-    by it (nor may a machine whose cache is warm give up on one that is still downloading). A
-    rank whose fetch fails leaves its message for the others, so every rank ends with it.
-    """
+    """A local folder is used as it is; a hub name is fetched into the hub's cache, whose file locks
+    let one process per machine download each file while the others wait. Then all ranks meet with
+    no deadline (a download may outlast --timeout-s, and a machine whose cache is warm must not give
+    up on one still downloading); a rank whose fetch failed leaves its message for every rank."""
     try:
         path, problem = fetch_model_files(cfg), ""
     except UsageError as e:
@@ -3838,18 +3775,6 @@ def fetch_model_files(cfg: RunConfig) -> Path:
         ) from None
 
 
-def check_attention_kernel(cfg: RunConfig, d: Dist) -> None:
-    """flash_attention_2 runs on CUDA only, from the flash-attn package; say so before loading."""
-    if cfg.attn_implementation != "flash_attention_2":
-        return
-    if d.device.type != "cuda":
-        raise UsageError("--attn-implementation flash_attention_2 needs a CUDA GPU; use sdpa (the default) or eager")
-    if importlib.util.find_spec("flash_attn") is None:
-        raise UsageError(
-            "--attn-implementation flash_attention_2 needs the flash-attn package (pip install flash-attn)"
-        )
-
-
 def load_tokenizer(cfg: RunConfig, folder: Path) -> PreTrainedTokenizerBase:
     import transformers
 
@@ -3867,7 +3792,13 @@ def load_pretrained(cfg: RunConfig, d: Dist, dtype: torch.dtype) -> tuple[PreTra
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # one bar per rank is noise, not news
-    check_attention_kernel(cfg, d)
+    # flash_attention_2 runs on CUDA only, from the flash-attn package: said before loading, not after.
+    if cfg.attn_implementation == "flash_attention_2" and d.device.type != "cuda":
+        raise UsageError("--attn-implementation flash_attention_2 needs a CUDA GPU; use sdpa (the default) or eager")
+    if cfg.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise UsageError(
+            "--attn-implementation flash_attention_2 needs the flash-attn package (pip install flash-attn)"
+        )
     folder = resolve_model_files(cfg, d)
     tokenizer = load_tokenizer(cfg, folder)
     try:
