@@ -2132,6 +2132,8 @@ CACHE_FORMAT = 1  # raise when what a cache holds, or how records become tokens,
 CHUNK_RECORDS = 2000  # records a tokenizing process takes at a time; a source of one chunk starts no pool
 TEXT_CHUNK_BYTES = 4 << 20  # a text corpus is cleaned this many bytes at a time: memory stays flat
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx", ".ckpt")
+READ_AS_NEEDED = ("stream", "edges", "ids", "is_target")  # one entry per token or line: FileArray
+DATASET_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
 
 
 def default_cache_dir() -> Path:
@@ -2868,8 +2870,7 @@ class TokenRows(Rows):
     row, or (packed) whole records laid end to end, each with its own positions. A row is its
     records' slices of the flat arrays, made when a batch asks for it."""
 
-    def __init__(self, tokens: Tokens, seq_len: int, pad_id: int, pack: bool, count_bytes: Callable) -> None:
-        """count_bytes(ids, is_target) counts a cut record's target bytes (count_target_bytes)."""
+    def __init__(self, tokens: Tokens, seq_len: int, tokenizer: PreTrainedTokenizerBase, pack: bool) -> None:
         records = tokens.records()
         lengths = tokens.offsets[records + 1] - tokens.offsets[records]
         kept_length = np.minimum(lengths, seq_len + 1)
@@ -2883,7 +2884,8 @@ class TokenRows(Rows):
         self.records, self.lengths = records[keep], kept_length[keep]
         self.whole_record = lengths[keep] == self.lengths
         self.row_starts = pack_rows(self.lengths - 1, seq_len) if pack else np.arange(len(self.records) + 1)
-        self.tokens, self.seq_len, self.pad_id, self.pack, self.count_bytes = tokens, seq_len, pad_id, pack, count_bytes
+        self.tokens, self.seq_len, self.tokenizer, self.pack = tokens, seq_len, tokenizer, pack
+        self.pad_id = tokenizer.pad_token_id or 0
         self.key = sha256(f"{tokens.key}:rows:{seq_len}:{pack}:".encode() + self.records.tobytes())
 
     def __len__(self) -> int:
@@ -2914,8 +2916,8 @@ class TokenRows(Rows):
         per_record = self.tokens.target_bytes[self.records].astype(np.int64)
         for j in np.flatnonzero(~self.whole_record):
             start, n = int(self.tokens.offsets[self.records[j]]), int(self.lengths[j])
-            ids = self.tokens.ids[start : start + n].astype(np.int64)
-            per_record[j] = self.count_bytes(ids, self.tokens.is_target[start : start + n].astype(bool))
+            ids, is_target = self.tokens.ids[start : start + n], self.tokens.is_target[start : start + n]
+            per_record[j] = count_target_bytes(TokenSequence(ids.tolist(), is_target.tolist()), self.tokenizer)
         return torch.from_numpy(np.add.reduceat(per_record, self.row_starts[:-1]))
 
     def digest(self) -> str:
@@ -2945,12 +2947,7 @@ def encode_records_with_tokenizer(
 ) -> tuple[TokenRows, dict[str, int]]:
     """Pretrained-model examples (TokenRows) from records, tokenized here, or from Tokens already
     made; and what became of the records (cut to --seq-len, dropped with no target left)."""
-
-    def count_bytes(ids: np.ndarray, is_target: np.ndarray) -> int:
-        return count_target_bytes(TokenSequence(ids.tolist(), is_target.tolist()), tokenizer)
-
-    tokens = as_tokens(records, tokenizer, train_on_prompt)
-    rows = TokenRows(tokens, seq_len, tokenizer.pad_token_id or 0, pack, count_bytes)
+    rows = TokenRows(as_tokens(records, tokenizer, train_on_prompt), seq_len, tokenizer, pack)
     return rows, rows.counts
 
 
@@ -3150,14 +3147,8 @@ def build_token_corpus(cfg: RunConfig, sink: ArraySink, folder: Path, workers: i
     if not records:
         what = "records" if is_jsonl(cfg.corpus_file) else "non-blank lines"
         raise UsageError(f"corpus file has no {what}: {cfg.corpus_file}")
-    fmt = first[0] if first else "text"
-    return {
-        "records": records,
-        "tokens": end,
-        "fmt": fmt,
-        "chat": "chat" in kinds,
-        "completions": "completions" in kinds,
-    }
+    facts = {"records": records, "tokens": end, "fmt": first[0] if first else "text"}
+    return facts | {"chat": "chat" in kinds, "completions": "completions" in kinds}
 
 
 def build_byte_corpus(cfg: RunConfig, sink: ArraySink) -> dict:
@@ -3290,20 +3281,6 @@ class FileArray:
         return np.array([self[i : i + 1][0] for i in key.ravel().tolist()], self.dtype).reshape(key.shape)
 
 
-READ_AS_NEEDED = ("stream", "edges", "ids", "is_target")  # one entry per token or line: FileArray
-
-
-def open_cache(folder: Path) -> tuple[dict[str, np.ndarray | FileArray], dict]:
-    """The cache's arrays and its meta: those with an entry per token (or per line of text) to be
-    read a slice at a time as batches ask, the few per record read whole."""
-    meta = json.loads((folder / "meta.json").read_text())
-    arrays = {}
-    for name, fact in meta["arrays"].items():
-        path, dtype = folder / f"{name}.bin", np.dtype(fact["dtype"])
-        arrays[name] = FileArray(path, dtype, fact["length"]) if name in READ_AS_NEEDED else np.fromfile(path, dtype)
-    return arrays, meta
-
-
 def build_cache(cfg: RunConfig, folder: Path, key: str, build: Callable[[ArraySink], dict]) -> None:
     """Build into a folder of this process's own beside `folder`, then rename it into place: a crash,
     Ctrl-C or a full disk mid-build leaves no cache a later run would load. If another run renamed
@@ -3386,9 +3363,6 @@ def data_digest(cfg: RunConfig) -> str:
     if local.is_dir():
         return sha256(json.dumps([files_digest([p for p in local.rglob("*") if p.is_file()], local), *where]).encode())
     return sha256(json.dumps([cfg.dataset, load_dataset_split(cfg)._fingerprint, *where]).encode())
-
-
-DATASET_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
 
 
 def load_dataset_split(cfg: RunConfig) -> object:
@@ -3478,7 +3452,10 @@ def load_or_build_corpus(cfg: RunConfig, d: Dist, folder: Path | None, workers: 
         if problem:
             say(f"[cache] {place} {problem}: building it again")
         build_cache(cfg, place, key, build)
-    arrays, meta = open_cache(place)
+    meta, arrays = json.loads((place / "meta.json").read_text()), {}
+    for name, fact in meta["arrays"].items():  # those with an entry per token or line read as batches ask
+        path, dtype = place / f"{name}.bin", np.dtype(fact["dtype"])
+        arrays[name] = FileArray(path, dtype, fact["length"]) if name in READ_AS_NEEDED else np.fromfile(path, dtype)
     what = f"{meta['records']:,} {describe_records(meta['fmt'])}, {meta['tokens']:,} tokens"
     if problem is not None:
         processes = meta["workers"] if meta["records"] > CHUNK_RECORDS else 1
