@@ -2485,19 +2485,14 @@ def text_sequence(ids: list[int], tokenizer: PreTrainedTokenizerBase) -> TokenSe
 
 
 def encode_with_targets(
-    text: str,
-    targets: list[tuple[int, int]],
-    users: list[tuple[int, int]],
-    tokenizer: PreTrainedTokenizerBase,
+    text: str, targets: list[tuple[int, int]], users: list[tuple[int, int]], tokenizer: PreTrainedTokenizerBase
 ) -> TokenSequence:
     """`text` encoded whole, as the model meets it when it is prompted (apply_chat_template
     encodes the rendering whole), with each token a target when any of its characters lies in a
     `targets` range. Encoding it in pieces would not give the same tokens: a SentencePiece
     tokenizer (Llama 2, Mistral, Phi-3) puts a "▁" before every piece, and Mistral's reply token
-    "▁reply" carries the template's separating space into the reply, so it is the reply's.
-
-    A special token found inside `users` (the ranges that hold the user's own text) was typed,
-    not put there by the template: it is encoded again as plain characters."""
+    "▁reply" carries the template's separating space into the reply, so it is the reply's. A
+    special token inside `users` (the user's own text) was typed: it is encoded as plain characters."""
     if not getattr(tokenizer, "is_fast", True):  # offsets come from the tokenizers library alone
         raise UsageError("chat and prompt-completion records need a fast tokenizer (with character offsets), "
                          f"and this model's is a slow {type(tokenizer).__name__}; text records do not")  # fmt: skip
@@ -2925,9 +2920,8 @@ class TokenRows(Rows):
 
 
 def pack_rows(lengths: np.ndarray, seq_len: int) -> np.ndarray:
-    """--pack: fill rows of seq_len positions with whole examples, in order (a new row when the
-    next one does not fit), so little compute goes to padding. Returns where each row starts
-    among the examples, and where the last one ends."""
+    """--pack: whole examples laid into rows of seq_len positions, in order, so that little compute
+    goes to padding: where each row starts among the examples, and where the last one ends."""
     starts: list[int] = []
     free = 0
     for i, n in enumerate(lengths.tolist()):
@@ -2989,18 +2983,14 @@ def first_records(cfg: RunConfig, n: int) -> list[Record]:
 
 
 def show_examples(cfg: RunConfig, d: Dist, records: list[Record]) -> None:
-    """--show-examples: the first records as the model will see them, each target run in [[ ]].
-
-    What to check before spending GPU hours: the template's rendering, that the replies (and
-    the token that ends each turn) are targets and nothing else is, and what truncation keeps.
-    """
+    """--show-examples: the first records as the model will see them, each target run in [[ ]]: what
+    to check before spending GPU hours (the template's rendering, that the replies and the token that
+    ends each turn are targets and nothing else is, and what truncation keeps)."""
     if cfg.model == "hf":
         tokenizer = load_tokenizer(cfg, resolve_model_files(cfg, d))
         masking = chat_masking(tokenizer) if any(r.messages for r in records) else None
         sequences = [tokenize_record(r, tokenizer, cfg.train_on_prompt, masking) for r in records]
-
-        def decode(ids: list[int]) -> str:
-            return tokenizer.decode(ids, skip_special_tokens=False)
+        decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
     else:
         framed = [b"\n" + r.text.encode("utf-8") + b"\n" for r in records]
         sequences = [TokenSequence(list(b), [False] + [True] * (len(b) - 1)) for b in framed]
@@ -3256,12 +3246,10 @@ def cache_problem(folder: Path, key: str) -> str | None:
 
 
 class FileArray:
-    """A 1-D array kept in a file of the token cache, read a slice at a time when a batch asks.
-
-    Not a memory map: a map keeps every page a batch ever touched in the rank's resident memory
-    (on this machine's kernel each touch maps up to 2 MB around it: 76 held-out rows of a 1 GB
-    corpus took 200 MB), so a long run's memory would grow to the size of the cache. A read
-    holds only the batch."""
+    """A 1-D array kept in a file of the token cache, read a slice at a time when a batch asks. Not a
+    memory map: a map keeps every page a batch ever touched in the rank's resident memory (each touch
+    maps up to 2 MB around it here: 76 held-out rows of a 1 GB corpus took 200 MB), so a long run's
+    memory would grow to the size of the cache."""
 
     def __init__(self, path: Path, dtype: np.dtype, length: int) -> None:
         self.path, self.dtype, self.length = path, np.dtype(dtype), length
@@ -3405,14 +3393,12 @@ def dataset_rows(cfg: RunConfig) -> Iterator[list[tuple[int, dict]]]:
 
 
 def open_corpus(cfg: RunConfig, d: Dist, folder: Path | None) -> Lines | Tokens:
-    """The training data as the model's tokens: read from the token cache, built first if
-    no earlier run built it (folder: the pretrained model's, None for the byte model).
-
-    Rank 0 builds first, with every core of its machine, while the others wait with no deadline
-    (section 9's meetings: a large build takes longer than --timeout-s). Then the first rank of
-    each other machine builds its own if it cannot see rank 0's (a node-local --cache-dir), as
-    TRL's global_then_local_main_first does; then every other rank opens what is there. A failure
-    anywhere stops every rank with its one line."""
+    """The training data as the model's tokens, from the token cache, built first if no earlier run
+    built it (folder: the pretrained model's, None for the byte model). Rank 0 builds first, with
+    every core of its machine, while the others wait with no deadline (meet_without_deadline); then
+    the first rank of each other machine that cannot see rank 0's cache (a node-local --cache-dir)
+    builds its own, as TRL's global_then_local_main_first does; then every other rank opens what is
+    there. A failure anywhere stops every rank with its one line."""
     if cfg.cache_dir is None:  # every rank its own, all at once, each in one process: they share the cores
         return load_or_build_corpus(cfg, d, folder, workers=1 if d.distributed else usable_cores())
     corpus, problem, mine = None, "", None
