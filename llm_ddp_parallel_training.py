@@ -1945,17 +1945,15 @@ def pretrained_flags_given(parser: argparse.ArgumentParser, argv: list[str], arg
 
 # PyTorch's Windows wheels are built without libuv, which its TCPStore uses by default elsewhere.
 USE_LIBUV = not sys.platform.startswith("win")
+LAUNCHER_PIPE = "LLM_DDP_LAUNCHER_PIPE"  # set by --nproc: the rank's stdin is a pipe from its launcher
+LAUNCHER_GONE_GRACE_S = 60.0
 
 
 def launch_local_ranks(cfg: RunConfig, argv: list[str]) -> int:
-    """--nproc N: start N ranks of this script on this machine, as torchrun --standalone would.
-
-    The launcher hosts the rendezvous store on a free port and gives each rank torchrun's
-    environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, the agent store, a run id), so
-    every rank runs exactly the code path it runs under torchrun. It forwards SIGINT and SIGTERM
-    to the ranks (they take a repeat within seconds as the same request), and when a rank fails
-    it gives the others a few seconds to notice and say so, then stops them.
-    """
+    """--nproc N: start N ranks of this script on this machine, as torchrun --standalone would, each
+    with torchrun's environment, so that every rank runs exactly the code path it runs under torchrun.
+    SIGINT and SIGTERM are forwarded (a rank takes a repeat within seconds as the same request); when
+    a rank fails, the others get a few seconds to notice and say so, then are stopped."""
     if launched_by_torchrun():
         raise UsageError("--nproc starts its own ranks: under torchrun, leave it out (--nproc_per_node sets the count)")
     store = dist.TCPStore(
@@ -2017,21 +2015,12 @@ def launch_local_ranks(cfg: RunConfig, argv: list[str]) -> int:
                 rank.kill()
 
 
-LAUNCHER_PIPE = "LLM_DDP_LAUNCHER_PIPE"  # set by --nproc: the rank's stdin is a pipe from its launcher
-
-
-LAUNCHER_GONE_GRACE_S = 60.0
-
-
 def end_with_the_launcher() -> None:
     """--nproc ranks end when their launcher does, however it ends (a notebook kernel killed, the
-    OOM killer): left running, they would train on, write, and hold run.lock, unseen.
-
-    The operating system closes the launcher's end of each rank's stdin pipe when it exits, on
-    every platform, so a thread here reads until the end of the pipe. Then the rank asks itself to
-    stop, as SIGTERM does: every rank learns it at once, all stop after the same step and write a
-    checkpoint. A rank still running LAUNCHER_GONE_GRACE_S later leaves anyway.
-    """
+    OOM killer): left running, they would train on, write, and hold run.lock, unseen. The operating
+    system closes the launcher's end of each rank's stdin pipe, on every platform; the rank then
+    stops as on SIGTERM (all ranks after the same step, with a checkpoint), or leaves anyway
+    LAUNCHER_GONE_GRACE_S later."""
     if os.environ.get(LAUNCHER_PIPE) != "1":
         return
 
@@ -2056,11 +2045,9 @@ def end_with_the_launcher() -> None:
 
 
 def rank_facts_from_env() -> tuple[int, int, int, int]:
-    """(rank, world size, local rank, local world size) as torchrun exported them, checked.
-
-    A leftover `export RANK=...` or a hand-made launch can set them inconsistently; that gets
-    one line now, not a ValueError from init_process_group or a wait for ranks that never come.
-    """
+    """(rank, world size, local rank, local world size) as torchrun exported them, checked: a
+    leftover `export RANK=...` or a hand-made launch gets one line now, not a ValueError from
+    init_process_group or a wait for ranks that never come."""
     env = os.environ
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
     shown = ", ".join(f"{n}={env[n]}" for n in names if n in env)
@@ -2080,15 +2067,16 @@ def rank_facts_from_env() -> tuple[int, int, int, int]:
 
 def rendezvous_store(timeout: timedelta) -> tuple[dist.Store | None, str | None]:
     """The key-value store the ranks meet in (None: let torch build it from MASTER_ADDR/PORT), and
-    the launch this process belongs to (see launch_token).
+    the launch this process belongs to (see launch_token; without an agent store, the launcher's
+    run id and pid, our parent's).
 
-    torchrun's agent hosts one store for the whole job and keeps it across restarts. The
-    ranks of a restarted attempt would find the dead attempt's addresses still in it, and
-    can connect to those before their peers overwrite them (pytorch#135712): the restart
-    then hangs until the timeout. A key prefix per attempt keeps each attempt's keys apart.
+    torchrun's agent keeps one store across restarts, and a restarted attempt's ranks could
+    connect to the dead attempt's addresses still in it before their peers overwrite them
+    (pytorch#135712), then hang until the timeout: a key prefix per attempt keeps them apart.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None, launch_without_agent_store()
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+        return None, f"{run_id}@{socket.gethostname()}:{os.getppid()}" if run_id is not None else None
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout, use_libuv=USE_LIBUV
     )
@@ -2097,30 +2085,18 @@ def rendezvous_store(timeout: timedelta) -> tuple[dist.Store | None, str | None]
 
 
 def launch_token(store: dist.Store) -> str:
-    """A name for this torchrun launch, the same in every restart of it and new in the next launch.
-
-    The agent's store is exactly that: it lives as long as one launch and survives its restarts.
-    The first rank to ask writes a random token there; every other rank, in this attempt and in
-    every restart, reads the same one. (Run ids repeat across launches: torchrun's default
-    --rdzv-id is "none", and a requeued Slurm job keeps its id. The agent's pid is not the ranks'
-    parent when anything sits between, as with torchrun --no-python bash -c "python ...".)
-    """
+    """A name for this torchrun launch, the same in every restart of it and new in the next: a
+    random token kept in the agent's store, which lives exactly as long as one launch. (Run ids
+    repeat across launches: torchrun's default --rdzv-id is "none", and a requeued Slurm job keeps
+    its id. The agent's pid is not the ranks' parent when anything sits between, as with torchrun
+    --no-python bash -c "python ...".)"""
     return store.compare_set("llm_ddp/launch", "", os.urandom(8).hex()).decode()
-
-
-def launch_without_agent_store() -> str | None:
-    """Under a launcher without an agent store: its run id and the launcher (our parent)."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    return f"{run_id}@{socket.gethostname()}:{os.getppid()}" if run_id is not None else None
 
 
 def meet_without_deadline(d: Dist, name: str, problem: str) -> str:
     """Wait, for as long as it takes, until every rank gets here; return the first problem any
-    rank brought ('' if none).
-
-    The meeting is in the rendezvous store, not a collective: every collective is bounded by
-    --timeout-s, and what the ranks wait for here (a download) may take longer.
-    """
+    rank brought ('' if none). In the rendezvous store, not a collective: every collective is
+    bounded by --timeout-s, and what the ranks wait for here (a download) may take longer."""
     failed, arrived = f"{name}/failed", f"{name}/arrived"
     if problem:
         d.store.set(failed, problem)  # before arriving, so no rank can see everyone arrived without it
@@ -2138,10 +2114,7 @@ def meet_without_deadline(d: Dist, name: str, problem: str) -> str:
 # The corpus file: a .txt file holds one text sample per line; a .jsonl file holds one JSON
 # record per line, in one of the schemas fine-tuning users bring (TRL's, ShareGPT, Alpaca).
 # Every record becomes text, a conversation, or a prompt with its completion.
-
 ROLES = ("system", "user", "assistant")
-
-
 SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant"}
 
 
@@ -2157,16 +2130,14 @@ class Record:
 
 
 # ----- the token cache: each record tokenized once, by one process per machine, read by every rank -----
-#
-# A corpus becomes flat arrays, written once into --cache-dir under a key made of everything that
-# decides the tokens; a later run, a resume or a restart with the same inputs reads them and
-# tokenizes nothing. Rank 0 builds first; then the first rank of each machine that cannot see its
-# cache (a node-local --cache-dir) builds its own; then every other rank opens what they built.
-
+# A corpus becomes flat arrays in --cache-dir, under a key made of everything that decides the tokens
+# (corpus_key): a later run, a resume or a restart with the same inputs tokenizes nothing.
 CACHE_FORMAT = 1  # raise when what a cache holds, or how records become tokens, changes
 CHUNK_RECORDS = 2000  # records a tokenizing process takes at a time; a source of one chunk starts no pool
 TEXT_CHUNK_BYTES = 4 << 20  # a text corpus is cleaned this many bytes at a time: memory stays flat
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx", ".ckpt")
+READ_AS_NEEDED = ("stream", "edges", "ids", "is_target")  # one entry per token or line: FileArray
+DATASET_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
 
 
 def default_cache_dir() -> Path:
@@ -2187,8 +2158,7 @@ def not_utf8(path: Path, offset: int) -> UsageError:
 
 def file_blocks(path: Path) -> Iterator[tuple[int, bytes]]:
     """(offset, bytes) of the file's whole lines, TEXT_CHUNK_BYTES or so at a time, checked to be UTF-8.
-    A byte-order mark (Windows editors add one) is dropped: trained on, it would be three bytes of
-    noise at the start of the first line."""
+    A byte-order mark (Windows editors add one) is dropped: it is not text."""
     check_readable(path)
     try:
         with open(path, "rb") as f:
@@ -2292,15 +2262,14 @@ def check_text_format(data_format: str, path: Path) -> None:
 
 
 def text_lines(path: Path) -> Iterator[str]:
-    """A text corpus's lines, stripped, blank ones dropped."""
-    for _, block in file_blocks(path):
+    for _, block in file_blocks(path):  # stripped, blank ones dropped
         kept, _ = clean_lines(block)
         yield from kept.tobytes().decode("utf-8").split("\n")[:-1]
 
 
 def read_corpus_lines(path: Path) -> list[str]:
-    """One training sample per line, stripped; blank lines are skipped. (Training streams the file
-    into the token cache instead, section 10: this is for a look at a small file.)"""
+    """One training sample per line, stripped, blank ones dropped: a look at a small file (training
+    streams the file into the token cache)."""
     lines = list(text_lines(path))
     if not lines:
         raise UsageError(f"corpus file has no non-blank lines: {path}")
@@ -2329,9 +2298,8 @@ class Examples(Dataset):
 
 
 def read_records(path: Path, data_format: str, limit: int | None = None) -> tuple[list[Record], str]:
-    """The corpus file's records (its first `limit`) and their format, in memory: for a look at a
-    few (--show-examples) or a small file of one's own; training streams them into the token cache.
-    Any bad record ends the run, naming its line."""
+    """The corpus file's records (its first `limit`) and their format, in memory: a look at a few
+    (--show-examples) or a small file of one's own. Any bad record ends the run, naming its line."""
     if not is_jsonl(path):
         check_text_format(data_format, path)
         records = [Record(text=line) for line in itertools.islice(text_lines(path), limit)]
@@ -2495,7 +2463,9 @@ def tokenize_record(
     try:
         full = render_chat(record.messages, tokenizer)
         # Every token a target needs no mask, so any template will do for --train-on-prompt.
-        targets = [] if train_on_prompt else target_ranges(chat_segments(record.messages, tokenizer, masking, full))
+        segments = [] if train_on_prompt else chat_segments(record.messages, tokenizer, masking, full)
+        ends = itertools.accumulate(len(text) for text, _ in segments)
+        targets = [(end - len(text), end) for (text, target), end in zip(segments, ends, strict=True) if target]
         users = message_ranges(record.messages, tokenizer, masking, full, refuse=not train_on_prompt)
         seq = encode_with_targets(full, targets, users, tokenizer)
         return TokenSequence(seq.ids, [train_on_prompt or t for t in seq.is_target])
@@ -2519,19 +2489,14 @@ def text_sequence(ids: list[int], tokenizer: PreTrainedTokenizerBase) -> TokenSe
 
 
 def encode_with_targets(
-    text: str,
-    targets: list[tuple[int, int]],
-    users: list[tuple[int, int]],
-    tokenizer: PreTrainedTokenizerBase,
+    text: str, targets: list[tuple[int, int]], users: list[tuple[int, int]], tokenizer: PreTrainedTokenizerBase
 ) -> TokenSequence:
     """`text` encoded whole, as the model meets it when it is prompted (apply_chat_template
     encodes the rendering whole), with each token a target when any of its characters lies in a
     `targets` range. Encoding it in pieces would not give the same tokens: a SentencePiece
     tokenizer (Llama 2, Mistral, Phi-3) puts a "▁" before every piece, and Mistral's reply token
-    "▁reply" carries the template's separating space into the reply, so it is the reply's.
-
-    A special token found inside `users` (the ranges that hold the user's own text) was typed,
-    not put there by the template: it is encoded again as plain characters."""
+    "▁reply" carries the template's separating space into the reply, so it is the reply's. A
+    special token inside `users` (the user's own text) was typed: it is encoded as plain characters."""
     if not getattr(tokenizer, "is_fast", True):  # offsets come from the tokenizers library alone
         raise UsageError("chat and prompt-completion records need a fast tokenizer (with character offsets), "
                          f"and this model's is a slow {type(tokenizer).__name__}; text records do not")  # fmt: skip
@@ -2578,16 +2543,6 @@ def characters_within(ranges: list[tuple[int, int]], n: int) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(np.cumsum(edges) > 0)])
 
 
-def target_ranges(segments: list[tuple[str, bool]]) -> list[tuple[int, int]]:
-    """(start, end) character ranges of the target segments, in the text the segments spell."""
-    ranges, at = [], 0
-    for text, target in segments:
-        if target:
-            ranges.append((at, at + len(text)))
-        at += len(text)
-    return ranges
-
-
 def message_ranges(
     turns: tuple[tuple[str, str], ...],
     tokenizer: PreTrainedTokenizerBase,
@@ -2595,15 +2550,12 @@ def message_ranges(
     full: str,
     refuse: bool = True,
 ) -> list[tuple[int, int]]:
-    """Where each message's own text lies in `full`, the template's rendering of the conversation.
-
-    Rendered with a marker in place of each message, the template shows what is its own text and
-    where each message goes; `full` must be that text with each message put back (as it is, or
-    trimmed, as some templates do). If the template changes messages in other ways, [] is
-    returned when no message spells a special token (nothing to keep apart), else the record is
-    refused: its text could not be kept from becoming control tokens. (Unless refuse is False:
-    --train-on-prompt trains on any template that renders, and every token is a target anyway.)
-    """
+    """Where each message's own text lies in `full`, the template's rendering of the conversation:
+    rendered with a marker in place of each message, the template shows what is its own text, and
+    `full` must be that with each message put back (as it is, or trimmed, as some templates do).
+    A template that changes messages otherwise gives [] if no message spells a special token
+    (nothing to keep apart); else the record is refused, unless refuse is False (--train-on-prompt
+    trains on any template that renders: every token is a target anyway)."""
     marks = [f"\ue000{i}\ue001" for i in range(len(turns))]  # private-use characters: never in a template
     roles = tuple(role for role, _ in turns)
     if roles not in masking.marked:
@@ -2665,13 +2617,11 @@ def chat_segments(
     Targets are each assistant reply and the special token that closes its turn (Qwen's
     <|im_end|>, Llama 3's <|eot_id|>, Mistral's </s>): a model that never learned to emit it never
     stops. The mask comes from the template itself, not from {% generation %} markers (Qwen2.5's
-    stock template has none, and transformers' return_assistant_tokens_mask is then all zeros,
-    transformers#34172): render the conversation up to reply i with the generation prompt (what
-    the model is shown when asked to reply), then through reply i; the second extends the first,
+    stock template has none, and return_assistant_tokens_mask is then all zeros, transformers#34172):
+    the conversation through reply i extends its rendering up to reply i with the generation prompt,
     and what it appends holds the reply, closed by a special token. Text the template puts before
     the reply (Mistral's separating space) is prompt; whitespace it trims off a reply (Llama 3,
-    Gemma) is not part of the target. A template for which that does not hold is refused.
-    (`full`: the whole conversation's rendering, when the caller has it already.)
+    Gemma) is not target. A template for which that does not hold is refused.
     """
 
     def render(upto: int, generation_prompt: bool) -> str:
@@ -2723,13 +2673,6 @@ def find_reply(appended: str, content: str, masking: ChatMasking) -> tuple[int, 
 def clip(text: str, n: int) -> str:
     """The first n characters of text, for a message; "..." says where it was cut."""
     return text if len(text) <= n else text[:n] + "..."
-
-
-def encode_held_out(records: list[Record] | Tokens, tokenizer: PreTrainedTokenizerBase, cfg: RunConfig) -> TokenRows:
-    try:
-        return encode_records_with_tokenizer(records, tokenizer, cfg.seq_len, cfg.train_on_prompt)[0]
-    except UsageError as e:
-        raise UsageError(f"held-out records (--val-fraction {cfg.val_fraction}): {e}") from None
 
 
 def turn_closing_token(tokenizer: PreTrainedTokenizerBase) -> int | None:
@@ -2843,14 +2786,11 @@ class Pieces:
 
 
 class ShiftingWindows(Rows):
-    """Packed training data: one byte stream, cut into seq_len windows at an offset that moves
-    every epoch. Every window is full: no compute goes to padding.
-
-    A cut that never moved would put each byte at the same position of the same window in
-    every epoch, and a small model then memorizes "this byte at that position" instead of the
-    text, and fails on the same text anywhere else (as when sampling from a prompt). The offset
-    comes from --seed and the epoch: the same on every rank, and the same again on resume.
-    """
+    """Packed training data: one byte stream, cut into seq_len windows (every one full: no compute
+    goes to padding) at an offset that moves every epoch, drawn from --seed and the epoch: the same
+    on every rank, and again on resume. A cut that never moved would put each byte at the same
+    position of the same window in every epoch, and a small model then memorizes "this byte at that
+    position" instead of the text, and fails on the same text anywhere else (as when sampling)."""
 
     def __init__(self, corpus: Lines, seq_len: int, seed: int) -> None:
         self.stream, self.seq_len, self.seed, self.offset = Pieces(corpus), seq_len, seed, 0
@@ -2895,13 +2835,10 @@ class ByteWindows(Rows):
     def __len__(self) -> int:
         return int(self.cum[-1])
 
-    def window(self, i: int) -> tuple[int, int]:
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         span = int(np.searchsorted(self.cum, i, side="right")) - 1
         cut = (i - int(self.cum[span])) * self.seq_len
-        return int(self.starts[span]) + cut, min(self.seq_len + 1, int(self.lengths[span]) - cut)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = self.stream.read(*self.window(i))
+        ids = self.stream.read(int(self.starts[span]) + cut, min(self.seq_len + 1, int(self.lengths[span]) - cut))
         inputs = torch.zeros(self.seq_len, dtype=torch.long)
         targets = torch.full((self.seq_len,), IGNORE_INDEX, dtype=torch.long)
         inputs[: len(ids) - 1], targets[: len(ids) - 1] = ids[:-1], ids[1:]
@@ -2919,20 +2856,11 @@ class ByteWindows(Rows):
 
 
 def encode_lines_as_bytes(lines: list[str], seq_len: int, pack: bool) -> ByteWindows:
-    """Byte-level examples. Every line is framed by newlines: b"\n" + line + b"\n".
-
-    The opening newline is the "start of line" the first byte is predicted from; the closing
-    newline teaches the model where a line ends (and where sampling stops).
-
-    pack=True: the framed lines form one stream, cut into windows of seq_len targets (only
-      the last is padded). Validation uses these fixed windows; training cuts the same stream
-      at a moving offset (ShiftingWindows).
-    pack=False: one line per example, right-padded. Real token counts then differ between
-      examples, between ranks and between micro-steps, which is what makes the choice of
-      loss normalization matter (see loss_scale).
-    Either way, a span longer than seq_len is cut into windows that overlap by one byte, so
-    every byte is a target exactly once; padded positions get IGNORE_INDEX.
-    """
+    """Byte-level examples (ByteWindows) of lines, each framed by newlines: b"\n" + line + b"\n".
+    The opening newline is the "start of line" the first byte is predicted from; the closing one
+    teaches the model where a line ends (and where sampling stops). pack=False: one line an example,
+    so real token counts differ between examples, ranks and micro-steps, which is what makes the
+    choice of loss normalization matter (see loss_scale)."""
     return ByteWindows(Lines.from_texts(lines), seq_len, pack)
 
 
@@ -2941,8 +2869,7 @@ class TokenRows(Rows):
     row, or (packed) whole records laid end to end, each with its own positions. A row is its
     records' slices of the flat arrays, made when a batch asks for it."""
 
-    def __init__(self, tokens: Tokens, seq_len: int, pad_id: int, pack: bool, count_bytes: Callable) -> None:
-        """count_bytes(ids, is_target) counts a cut record's target bytes (count_target_bytes)."""
+    def __init__(self, tokens: Tokens, seq_len: int, tokenizer: PreTrainedTokenizerBase, pack: bool) -> None:
         records = tokens.records()
         lengths = tokens.offsets[records + 1] - tokens.offsets[records]
         kept_length = np.minimum(lengths, seq_len + 1)
@@ -2956,7 +2883,8 @@ class TokenRows(Rows):
         self.records, self.lengths = records[keep], kept_length[keep]
         self.whole_record = lengths[keep] == self.lengths
         self.row_starts = pack_rows(self.lengths - 1, seq_len) if pack else np.arange(len(self.records) + 1)
-        self.tokens, self.seq_len, self.pad_id, self.pack, self.count_bytes = tokens, seq_len, pad_id, pack, count_bytes
+        self.tokens, self.seq_len, self.tokenizer, self.pack = tokens, seq_len, tokenizer, pack
+        self.pad_id = tokenizer.pad_token_id or 0
         self.key = sha256(f"{tokens.key}:rows:{seq_len}:{pack}:".encode() + self.records.tobytes())
 
     def __len__(self) -> int:
@@ -2968,7 +2896,6 @@ class TokenRows(Rows):
         positions = torch.zeros(self.seq_len, dtype=torch.long)
         at = 0
         for j in range(self.row_starts[r], self.row_starts[r + 1]):
-            # Each example keeps its own inputs, targets and positions: nothing crosses over.
             # Targets are masked by *position*, never by token id: Qwen's pad token may equal its
             # EOS, and masking by id would also hide every real EOS from the loss.
             start, n = int(self.tokens.offsets[self.records[j]]), int(self.lengths[j]) - 1
@@ -2988,8 +2915,8 @@ class TokenRows(Rows):
         per_record = self.tokens.target_bytes[self.records].astype(np.int64)
         for j in np.flatnonzero(~self.whole_record):
             start, n = int(self.tokens.offsets[self.records[j]]), int(self.lengths[j])
-            ids = self.tokens.ids[start : start + n].astype(np.int64)
-            per_record[j] = self.count_bytes(ids, self.tokens.is_target[start : start + n].astype(bool))
+            ids, is_target = self.tokens.ids[start : start + n], self.tokens.is_target[start : start + n]
+            per_record[j] = count_target_bytes(TokenSequence(ids.tolist(), is_target.tolist()), self.tokenizer)
         return torch.from_numpy(np.add.reduceat(per_record, self.row_starts[:-1]))
 
     def digest(self) -> str:
@@ -2997,9 +2924,8 @@ class TokenRows(Rows):
 
 
 def pack_rows(lengths: np.ndarray, seq_len: int) -> np.ndarray:
-    """--pack: fill rows of seq_len positions with whole examples, in order (a new row when the
-    next one does not fit), so little compute goes to padding. Returns where each row starts
-    among the examples, and where the last one ends."""
+    """--pack: whole examples laid into rows of seq_len positions, in order, so that little compute
+    goes to padding: where each row starts among the examples, and where the last one ends."""
     starts: list[int] = []
     free = 0
     for i, n in enumerate(lengths.tolist()):
@@ -3019,12 +2945,7 @@ def encode_records_with_tokenizer(
 ) -> tuple[TokenRows, dict[str, int]]:
     """Pretrained-model examples (TokenRows) from records, tokenized here, or from Tokens already
     made; and what became of the records (cut to --seq-len, dropped with no target left)."""
-
-    def count_bytes(ids: np.ndarray, is_target: np.ndarray) -> int:
-        return count_target_bytes(TokenSequence(ids.tolist(), is_target.tolist()), tokenizer)
-
-    tokens = as_tokens(records, tokenizer, train_on_prompt)
-    rows = TokenRows(tokens, seq_len, tokenizer.pad_token_id or 0, pack, count_bytes)
+    rows = TokenRows(as_tokens(records, tokenizer, train_on_prompt), seq_len, tokenizer, pack)
     return rows, rows.counts
 
 
@@ -3066,18 +2987,14 @@ def first_records(cfg: RunConfig, n: int) -> list[Record]:
 
 
 def show_examples(cfg: RunConfig, d: Dist, records: list[Record]) -> None:
-    """--show-examples: the first records as the model will see them, each target run in [[ ]].
-
-    What to check before spending GPU hours: the template's rendering, that the replies (and
-    the token that ends each turn) are targets and nothing else is, and what truncation keeps.
-    """
+    """--show-examples: the first records as the model will see them, each target run in [[ ]]: what
+    to check before spending GPU hours (the template's rendering, that the replies and the token that
+    ends each turn are targets and nothing else is, and what truncation keeps)."""
     if cfg.model == "hf":
         tokenizer = load_tokenizer(cfg, resolve_model_files(cfg, d))
         masking = chat_masking(tokenizer) if any(r.messages for r in records) else None
         sequences = [tokenize_record(r, tokenizer, cfg.train_on_prompt, masking) for r in records]
-
-        def decode(ids: list[int]) -> str:
-            return tokenizer.decode(ids, skip_special_tokens=False)
+        decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
     else:
         framed = [b"\n" + r.text.encode("utf-8") + b"\n" for r in records]
         sequences = [TokenSequence(list(b), [False] + [True] * (len(b) - 1)) for b in framed]
@@ -3101,13 +3018,10 @@ def show_examples(cfg: RunConfig, d: Dist, records: list[Record]) -> None:
 
 def flatten_rows(batch: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
     """The micro-batch's packed rows laid end to end as one row, position_ids restarting at 0 for
-    each example (transformers' flattening collator does the same).
-
-    Under flash_attention_2, transformers reads position_ids as sequence boundaries only in a
-    batch of one row (_is_packed_sequence); then flash-attn's variable-length kernel keeps every
-    example to itself. With several rows it runs plain causal attention over each whole row, and
-    the examples packed into a row would attend to each other.
-    """
+    each example, as transformers' flattening collator does: under flash_attention_2, transformers
+    reads position_ids as sequence boundaries (flash-attn's variable-length kernel keeps every
+    example to itself) only in a batch of one row (_is_packed_sequence). With several rows the
+    examples packed into a row would attend to each other."""
     return tuple(t.reshape(1, -1) for t in trim_padding(batch))
 
 
@@ -3227,14 +3141,8 @@ def build_token_corpus(cfg: RunConfig, sink: ArraySink, folder: Path, workers: i
     if not records:
         what = "records" if is_jsonl(cfg.corpus_file) else "non-blank lines"
         raise UsageError(f"corpus file has no {what}: {cfg.corpus_file}")
-    fmt = first[0] if first else "text"
-    return {
-        "records": records,
-        "tokens": end,
-        "fmt": fmt,
-        "chat": "chat" in kinds,
-        "completions": "completions" in kinds,
-    }
+    facts = {"records": records, "tokens": end, "fmt": first[0] if first else "text"}
+    return facts | {"chat": "chat" in kinds, "completions": "completions" in kinds}
 
 
 def build_byte_corpus(cfg: RunConfig, sink: ArraySink) -> dict:
@@ -3342,12 +3250,10 @@ def cache_problem(folder: Path, key: str) -> str | None:
 
 
 class FileArray:
-    """A 1-D array kept in a file of the token cache, read a slice at a time when a batch asks.
-
-    Not a memory map: a map keeps every page a batch ever touched in the rank's resident memory
-    (on this machine's kernel each touch maps up to 2 MB around it: 76 held-out rows of a 1 GB
-    corpus took 200 MB), so a long run's memory would grow to the size of the cache. A read
-    holds only the batch."""
+    """A 1-D array kept in a file of the token cache, read a slice at a time when a batch asks. Not a
+    memory map: a map keeps every page a batch ever touched in the rank's resident memory (each touch
+    maps up to 2 MB around it here: 76 held-out rows of a 1 GB corpus took 200 MB), so a long run's
+    memory would grow to the size of the cache."""
 
     def __init__(self, path: Path, dtype: np.dtype, length: int) -> None:
         self.path, self.dtype, self.length = path, np.dtype(dtype), length
@@ -3365,20 +3271,6 @@ class FileArray:
         if key.size > self.length // 64:  # most of it: read it whole
             return np.fromfile(self.path, self.dtype)[key]
         return np.array([self[i : i + 1][0] for i in key.ravel().tolist()], self.dtype).reshape(key.shape)
-
-
-READ_AS_NEEDED = ("stream", "edges", "ids", "is_target")  # one entry per token or line: FileArray
-
-
-def open_cache(folder: Path) -> tuple[dict[str, np.ndarray | FileArray], dict]:
-    """The cache's arrays and its meta: those with an entry per token (or per line of text) to be
-    read a slice at a time as batches ask, the few per record read whole."""
-    meta = json.loads((folder / "meta.json").read_text())
-    arrays = {}
-    for name, fact in meta["arrays"].items():
-        path, dtype = folder / f"{name}.bin", np.dtype(fact["dtype"])
-        arrays[name] = FileArray(path, dtype, fact["length"]) if name in READ_AS_NEEDED else np.fromfile(path, dtype)
-    return arrays, meta
 
 
 def build_cache(cfg: RunConfig, folder: Path, key: str, build: Callable[[ArraySink], dict]) -> None:
@@ -3465,9 +3357,6 @@ def data_digest(cfg: RunConfig) -> str:
     return sha256(json.dumps([cfg.dataset, load_dataset_split(cfg)._fingerprint, *where]).encode())
 
 
-DATASET_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
-
-
 def load_dataset_split(cfg: RunConfig) -> object:
     """--dataset: a Hub name, a local parquet/JSONL/CSV file, or a folder save_to_disk wrote, read
     with Hugging Face datasets (Arrow, memory-mapped): --dataset-split of it."""
@@ -3508,14 +3397,12 @@ def dataset_rows(cfg: RunConfig) -> Iterator[list[tuple[int, dict]]]:
 
 
 def open_corpus(cfg: RunConfig, d: Dist, folder: Path | None) -> Lines | Tokens:
-    """The training data as the model's tokens: read from the token cache, built first if
-    no earlier run built it (folder: the pretrained model's, None for the byte model).
-
-    Rank 0 builds first, with every core of its machine, while the others wait with no deadline
-    (section 9's meetings: a large build takes longer than --timeout-s). Then the first rank of
-    each other machine builds its own if it cannot see rank 0's (a node-local --cache-dir), as
-    TRL's global_then_local_main_first does; then every other rank opens what is there. A failure
-    anywhere stops every rank with its one line."""
+    """The training data as the model's tokens, from the token cache, built first if no earlier run
+    built it (folder: the pretrained model's, None for the byte model). Rank 0 builds first, with
+    every core of its machine, while the others wait with no deadline (meet_without_deadline); then
+    the first rank of each other machine that cannot see rank 0's cache (a node-local --cache-dir)
+    builds its own, as TRL's global_then_local_main_first does; then every other rank opens what is
+    there. A failure anywhere stops every rank with its one line."""
     if cfg.cache_dir is None:  # every rank its own, all at once, each in one process: they share the cores
         return load_or_build_corpus(cfg, d, folder, workers=1 if d.distributed else usable_cores())
     corpus, problem, mine = None, "", None
@@ -3555,7 +3442,10 @@ def load_or_build_corpus(cfg: RunConfig, d: Dist, folder: Path | None, workers: 
         if problem:
             say(f"[cache] {place} {problem}: building it again")
         build_cache(cfg, place, key, build)
-    arrays, meta = open_cache(place)
+    meta, arrays = json.loads((place / "meta.json").read_text()), {}
+    for name, fact in meta["arrays"].items():  # those with an entry per token or line read as batches ask
+        path, dtype = place / f"{name}.bin", np.dtype(fact["dtype"])
+        arrays[name] = FileArray(path, dtype, fact["length"]) if name in READ_AS_NEEDED else np.fromfile(path, dtype)
     what = f"{meta['records']:,} {describe_records(meta['fmt'])}, {meta['tokens']:,} tokens"
     if problem is not None:
         processes = meta["workers"] if meta["records"] > CHUNK_RECORDS else 1
@@ -3581,18 +3471,13 @@ def corpus_from(arrays: dict[str, np.ndarray | FileArray], meta: dict, key: str)
 
 # The pretrained path's outputs keep the names they had when it served Qwen alone: users' scripts read them.
 QWEN_FINAL = "qwen_lora"  # the trained adapters and tokenizer, in OUTPUT_DIR
-
-
 QWEN_FULL_FINAL = "qwen_full"  # --finetune full: the whole fine-tuned model and tokenizer, in OUTPUT_DIR
 
 
 def check_model_fits(n_params: int, d: Dist) -> None:
-    """Refuse, before allocating, a model whose training state cannot fit in this device's memory.
-
-    Weights, gradients and AdamW's two moments take 16 bytes a parameter (fp32). Without this
-    check a huge --d-model ends in an allocation traceback, and a huge --n-layers builds
-    layers until the operating system kills the process.
-    """
+    """Refuse, before allocating, a model whose training state (weights, gradients and AdamW's two
+    moments: 16 bytes a parameter in fp32) cannot fit in this device's memory: else a huge --d-model
+    ends in an allocation traceback, and a huge --n-layers builds layers until the OOM killer comes."""
     if d.device.type == "cuda":
         have = torch.cuda.get_device_properties(d.device).total_memory
     else:
@@ -3614,7 +3499,7 @@ def build_pretrained_kit(
     """A pretrained causal LM (Qwen2.5 by default) with LoRA adapters, of which only the adapters
     train; or, with --finetune full, the model itself, every weight trained. The records come
     from the token cache (open_corpus), or as Record objects, tokenized here."""
-    dtype = choose_weights_dtype(cfg, d)
+    dtype, lora = choose_weights_dtype(cfg, d), cfg.finetune == "lora"
     tokenizer, model = load_pretrained(cfg, d, dtype)
     if tokenizer.pad_token is None:
         # Any id works for padding: padded positions are masked out of the loss by position.
@@ -3632,11 +3517,11 @@ def build_pretrained_kit(
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-    model = (add_lora(cfg, model) if cfg.finetune == "lora" else model).to(d.device)
+    model = (add_lora(cfg, model) if lora else model).to(d.device)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-    final = QWEN_FINAL if cfg.finetune == "lora" else QWEN_FULL_FINAL
+    final = QWEN_FINAL if lora else QWEN_FULL_FINAL
 
     def save_final(raw: nn.Module, step: int, whole: dict | None = None) -> Path:
         path = cfg.output_dir / final
@@ -3674,7 +3559,12 @@ def build_pretrained_kit(
 
     end_of_turn = turn_closing_token(tokenizer) if chat else None
     train, counts = encode_records_with_tokenizer(records, tokenizer, cfg.seq_len, cfg.train_on_prompt, cfg.pack)
-    val = encode_held_out(val_records, tokenizer, cfg) if len(val_records) else None
+    val = None
+    if len(val_records):
+        try:
+            val = encode_records_with_tokenizer(val_records, tokenizer, cfg.seq_len, cfg.train_on_prompt)[0]
+        except UsageError as e:
+            raise UsageError(f"held-out records (--val-fraction {cfg.val_fraction}): {e}") from None
 
     return ModelKit(
         model=model,
@@ -3684,17 +3574,14 @@ def build_pretrained_kit(
         sample=sample,
         save_final=save_final,
         final_name=final,
-        final_label="LoRA adapters and tokenizer" if cfg.finetune == "lora" else "fine-tuned model and tokenizer",
+        final_label="LoRA adapters and tokenizer" if lora else "fine-tuned model and tokenizer",
         flops_per_token=training_flops_per_token(
-            model,
-            model.config.num_hidden_layers,
-            attention_width(model.config),
-            cfg.seq_len,
+            model, model.config.num_hidden_layers, attention_width(model.config), cfg.seq_len
         ),
         describe=f"{cfg.model_name_or_path} ({dtype})"
         + (
             f" + LoRA r={cfg.lora_r} alpha={cfg.lora_alpha:g} on {','.join(cfg.lora_targets)}"
-            if cfg.finetune == "lora"
+            if lora
             else ", every weight trained"
         )
         + f": {trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.3f}%)",
@@ -3709,11 +3596,7 @@ def reload_pretrained(cfg: RunConfig, dtype: torch.dtype, device: torch.device, 
     """The saved output loaded back on this rank alone: the whole model, or the base plus the adapters."""
     from transformers import AutoModelForCausalLM
 
-    options = {
-        "dtype": dtype,
-        "attn_implementation": cfg.attn_implementation,
-        "trust_remote_code": cfg.trust_remote_code,
-    }
+    options = dict(dtype=dtype, attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code)
     if cfg.finetune == "full":
         return AutoModelForCausalLM.from_pretrained(path, **options).to(device)
     from peft import PeftModel
@@ -3759,14 +3642,11 @@ def gpu_computes_bf16() -> bool:
 
 
 class LeanHeadLoss(nn.Module):
-    """A causal LM whose forward returns the loss sum, computed without full logits.
-
-    Logits for every position of a 151,936-token vocabulary dwarf everything else a LoRA step
-    holds (1.2 GB in fp32 for 2,048 tokens, and as much again for their gradient). Here the
-    head runs only at target positions, in chunks, each under activation checkpointing: backward
-    recomputes one chunk's logits at a time, so at most one chunk's logits and gradient exist.
-    Pure PyTorch, CPU and GPU. DDP wraps this module, so its hooks see every trainable gradient
-    exactly as they would through the model's own forward.
+    """A causal LM whose forward returns the loss sum, computed without full logits: logits for every
+    position of a 151,936-token vocabulary dwarf everything else a LoRA step holds (1.2 GB in fp32
+    for 2,048 tokens, and as much again for their gradient). The head runs only at target positions,
+    in chunks, each under activation checkpointing, so at most one chunk's logits and gradient exist.
+    DDP wraps this module: its hooks see every trainable gradient as through the model's own forward.
 
     No attention mask and no cache: padding sits on the right behind causal attention, and for
     packed rows transformers builds a block-diagonal causal mask from position_ids restarting at
@@ -3826,14 +3706,10 @@ def choose_weights_dtype(cfg: RunConfig, d: Dist) -> torch.dtype:
 
 
 def resolve_model_files(cfg: RunConfig, d: Dist) -> Path:
-    """A local folder is used as it is; a hub name is fetched into the hub's cache.
-
-    Every rank asks the cache: its file locks let one process per machine download each file
-    while the others on that machine wait. Then all ranks meet with no deadline: a download
-    may take longer than --timeout-s, which bounds every collective, and must not be cut short
-    by it (nor may a machine whose cache is warm give up on one that is still downloading). A
-    rank whose fetch fails leaves its message for the others, so every rank ends with it.
-    """
+    """A local folder is used as it is; a hub name is fetched into the hub's cache, whose file locks
+    let one process per machine download each file while the others wait. Then all ranks meet with
+    no deadline (a download may outlast --timeout-s, and a machine whose cache is warm must not give
+    up on one still downloading); a rank whose fetch failed leaves its message for every rank."""
     try:
         path, problem = fetch_model_files(cfg), ""
     except UsageError as e:
@@ -3866,18 +3742,6 @@ def fetch_model_files(cfg: RunConfig) -> Path:
         ) from None
 
 
-def check_attention_kernel(cfg: RunConfig, d: Dist) -> None:
-    """flash_attention_2 runs on CUDA only, from the flash-attn package; say so before loading."""
-    if cfg.attn_implementation != "flash_attention_2":
-        return
-    if d.device.type != "cuda":
-        raise UsageError("--attn-implementation flash_attention_2 needs a CUDA GPU; use sdpa (the default) or eager")
-    if importlib.util.find_spec("flash_attn") is None:
-        raise UsageError(
-            "--attn-implementation flash_attention_2 needs the flash-attn package (pip install flash-attn)"
-        )
-
-
 def load_tokenizer(cfg: RunConfig, folder: Path) -> PreTrainedTokenizerBase:
     import transformers
 
@@ -3895,7 +3759,13 @@ def load_pretrained(cfg: RunConfig, d: Dist, dtype: torch.dtype) -> tuple[PreTra
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # one bar per rank is noise, not news
-    check_attention_kernel(cfg, d)
+    # flash_attention_2 runs on CUDA only, from the flash-attn package: said before loading, not after.
+    if cfg.attn_implementation == "flash_attention_2" and d.device.type != "cuda":
+        raise UsageError("--attn-implementation flash_attention_2 needs a CUDA GPU; use sdpa (the default) or eager")
+    if cfg.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise UsageError(
+            "--attn-implementation flash_attention_2 needs the flash-attn package (pip install flash-attn)"
+        )
     folder = resolve_model_files(cfg, d)
     tokenizer = load_tokenizer(cfg, folder)
     try:
