@@ -3555,6 +3555,8 @@ def build_pretrained_kit(
             eos_token_id=stop,
         )
         reply = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+        if not reply.strip():  # a random model's tokens may decode to blank lines (120 of them): one line says so
+            reply = f"(nothing but {len(reply)} whitespace character(s): a model this untrained has no words yet)"
         return f"{prompt} -> {reply}" if chat else prompt + reply
 
     end_of_turn = turn_closing_token(tokenizer) if chat else None
@@ -3620,9 +3622,7 @@ def add_lora(cfg: RunConfig, model: nn.Module) -> nn.Module:
     )
     # Trainability is settled before DDP wraps the model: DDP registers its gradient hooks on
     # the parameters that require grad when it is built, and only those ever travel.
-    with warnings.catch_warnings():  # peft reads a property transformers 5 renamed; harmless
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        return get_peft_model(model, lora)
+    return get_peft_model(model, lora)
 
 
 def causal_lm(model: nn.Module) -> nn.Module:
@@ -3759,6 +3759,8 @@ def load_pretrained(cfg: RunConfig, d: Dist, dtype: torch.dtype) -> tuple[PreTra
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # one bar per rank is noise, not news
+    # peft and FSDP read a property transformers 5 renamed: a warning no user of this script can act on.
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     # flash_attention_2 runs on CUDA only, from the flash-attn package: said before loading, not after.
     if cfg.attn_implementation == "flash_attention_2" and d.device.type != "cuda":
         raise UsageError("--attn-implementation flash_attention_2 needs a CUDA GPU; use sdpa (the default) or eager")
