@@ -1,5 +1,7 @@
-"""benchmarks/memory.py --smoke runs every kind of run once and writes its table and figure: one
-table row per (model, strategy, ranks, rank) it ran."""
+"""benchmarks/memory.py --smoke runs its small plan and writes its table and figure: one table row
+per (model, strategy, ranks, rank) it ran. The plan is four runs that reach every part of the
+report: 1 and 2 ranks, each --sharding and each --ddp, the Qwen fixture, and a sharded strategy
+against --sharding none at 2 ranks (the goal's line)."""
 
 from __future__ import annotations
 
@@ -58,3 +60,13 @@ def test_smoke_run_writes_one_row_per_rank_and_the_figure(tmp_path):
     ]
     assert [tuple(cell.strip() for cell in row) for row in rows] == expected
     assert {run.nproc for run in memory.plan(smoke=True)} == {1, 2}
+
+
+def test_the_smoke_plan_reaches_every_part_of_the_report():
+    memory = load_memory()
+    runs = memory.plan(smoke=True)
+    assert {run.sharding for run in runs} == set(memory.SHARDINGS)
+    assert {run.ddp for run in runs if run.nproc > 1} == {"torch", "manual"}
+    assert {run.model for run in runs} == {"tiny", "qwen-full"}
+    goal = [run for run in runs if memory.is_goal_run(run) and run.sharding != "none"]
+    assert any(memory.Run("tiny", "none", run.ddp, 2) in runs for run in goal)
