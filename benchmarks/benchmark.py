@@ -25,10 +25,11 @@ is the median of --repeats runs, and the runs being compared alternate):
 5. memory      peak resident memory per rank, both models (the Qwen2 one in 4, the tiny model's
                in a 3-step run of its own)
 
---only NAME runs only the named measurements and prints only their rows (repeatable; all of them
-by default): scaling (1 less the all-reduce, and 2), all-reduce, start-up (3), trainer (4, and the
-Qwen2 half of 5), memory (the tiny model's half of 5). The scaling that the two losses measured
-apart would allow needs both scaling and all-reduce.
+--only NAME runs only the named measurements and prints only their rows; it can be given again
+for more (default: all of them). The names: scaling (1 without the all-reduce, and 2), all-reduce
+(the rest of 1), start-up (3), trainer (4, and the Qwen2 half of 5), memory (the tiny model's half
+of 5). The row of the scaling that the two limits measured apart would allow needs both scaling
+and all-reduce. The tests run `--smoke --only scaling`; `--smoke` alone checks every measurement.
 """
 
 from __future__ import annotations
