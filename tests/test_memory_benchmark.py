@@ -36,7 +36,8 @@ def test_smoke_run_writes_one_row_per_rank_and_the_figure(tmp_path):
         env=child_env(),
     )
     try:
-        # Generous: 26-34 s alone on the 2-core VM, and over 60 s while a test beside it shares the cores.
+        # Generous: the 5-run smoke took 26-34 s alone on the 2-core VM, and over 60 s while a test beside it
+        # shared the cores; the 3-run smoke needs about a fifth less CPU.
         stdout, stderr = proc.communicate(timeout=180)
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGTERM)  # the benchmark ends its runs' ranks, then itself
