@@ -2,6 +2,7 @@
 
     python benchmarks/benchmark.py            # the full measurement: a few minutes on 2 CPU cores
     python benchmarks/benchmark.py --smoke    # every measurement once, small and short: checks the harness
+    python benchmarks/benchmark.py --only scaling --only trainer   # some measurements, with their rows
 
 The runs write into a temp folder, removed at the end, also when a run fails or the benchmark is
 stopped (Ctrl-C, SIGTERM); --keep-outputs keeps it and prints its path, and --out DIR writes into
@@ -21,7 +22,14 @@ is the median of --repeats runs, and the runs being compared alternate):
 3. start-up    seconds from launch to the end of the first optimizer step (imports included)
 4. Trainer     the same LoRA run on a tiny random Qwen2, two ranks, through this script and through
                transformers' Trainer; tokens/s, and the final loss of both on the same 64 lines
-5. memory      peak resident memory per rank, both models
+5. memory      peak resident memory per rank, both models (the Qwen2 one in 4, the tiny model's
+               in a 3-step run of its own)
+
+--only NAME runs only the named measurements and prints only their rows; it can be given again
+for more (default: all of them). The names: scaling (1 without the all-reduce, and 2), all-reduce
+(the rest of 1), start-up (3), trainer (4, and the Qwen2 half of 5), memory (the tiny model's half
+of 5). The row of the scaling that the two limits measured apart would allow needs both scaling
+and all-reduce. The tests run `--smoke --only scaling`; `--smoke` alone checks every measurement.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
@@ -57,6 +65,8 @@ SMOKE_MODEL = ["--d-model", "64", "--n-heads", "2", "--n-layers", "1", "--seq-le
 # 2 ranks against the 1-rank run twice at once (the machine's own two-process limit): what is
 # lost to talking and to waiting for the slower rank.
 PAIR_GOAL = 0.97
+# What --only can name, in the order they run (1: scaling, matmul peak and efficiency; 3-5).
+MEASUREMENTS = ("scaling", "all-reduce", "start-up", "memory", "trainer")
 
 
 def child_env() -> dict[str, str]:
@@ -361,7 +371,12 @@ def in_output_folder(
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="one short repeat of everything, small sizes")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every measurement (or --only's) once, at small sizes and few steps: checks the harness; "
+        "its numbers mean nothing",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
         "--out",
@@ -375,83 +390,111 @@ def main() -> None:
         action="store_true",
         help="keep the temp folder (removed by default, also on failure or Ctrl-C) and print its path",
     )
+    p.add_argument(
+        "--only",
+        action="append",
+        choices=MEASUREMENTS,
+        metavar="NAME",
+        help=f"run only this measurement and print only its rows; repeatable (default: all: {', '.join(MEASUREMENTS)})",
+    )
     p.add_argument("--allreduce-worker", type=int, default=0, help=argparse.SUPPRESS)  # a rank of allreduce_ms
     args = p.parse_args()
     if args.allreduce_worker:
         return allreduce_worker(args.allreduce_worker)
+    only = set(args.only or MEASUREMENTS)
     in_output_folder(
         args.out,
         args.keep_outputs,
         "ddp-benchmark-",
-        lambda out, _removed: measure(out, args.smoke, 1 if args.smoke else args.repeats),
+        lambda out, _removed: measure(out, args.smoke, 1 if args.smoke else args.repeats, only),
         stop_children,
     )
 
 
-def measure(out: Path, smoke: bool, repeats: int) -> None:
+def measure(out: Path, smoke: bool, repeats: int, only: Collection[str] = MEASUREMENTS) -> None:
+    """The measurements in `only`, in the order of MEASUREMENTS; the table's rows of those, in
+    its order; results.json with their results."""
     tiny = SMOKE_MODEL if smoke else TINY_MODEL
     steps = 12 if smoke else 60
     sizes, reps = ((256,), 3) if smoke else ((512, 1024, 2048), 20)
-    peak = gemm_peak(sizes, reps)
-    scaling = measure_scaling(steps, repeats, tiny, out / "tiny")
-    peak = max(peak, gemm_peak(sizes, reps))  # measured before and after: the machine's load drifts
-    fpt = tiny_flops_per_token(tiny)
     cfg, model = tiny_model(tiny)
-    gradient_mb = 4 * sum(p.numel() for p in model.parameters()) / 1e6
-    allreduce = allreduce_ms(sum(p.numel() for p in model.parameters()))
-    # What 2 ranks could reach if the only losses were the two measured apart: sharing the
-    # machine, and one step's all-reduce with nothing hidden behind backward. The rest of the
-    # gap is waiting: each step runs at the pace of the slower rank.
-    step_ms = 1000 * cfg.batch_size * cfg.seq_len / scaling["one_rank"]["tokens_per_sec"]
-    ceiling = scaling["pair_ratio"] * step_ms / (step_ms + allreduce["fp32"])
-    one_rank_flops = scaling["one_rank"]["tokens_per_sec"] * fpt
-    two_rank_flops = scaling["two_ranks"]["tokens_per_sec"] * fpt / 2
-    startup_one = statistics.median(seconds_to_first_step(None, tiny, out / "startup") for _ in range(repeats))
-    startup_two = statistics.median(seconds_to_first_step(2, tiny, out / "startup") for _ in range(repeats))
-    tiny_memory = summary_row(launch(["--cpu", "--max-steps", "3", "--output-dir", str(run_dir(out, "mem")), *tiny], 2),
-                              "peak memory")  # fmt: skip
-    trainer = compare_with_trainer(10 if smoke else 300, repeats, 8, 64, out / "qwen")
+    numel = sum(p.numel() for p in model.parameters())
+    got: dict = {}  # results.json: what was measured, in the full run's order of keys
+    rows: list[tuple[str, str]] = []
+    if "scaling" in only:
+        peak = gemm_peak(sizes, reps)
+        got["scaling"] = scaling = measure_scaling(steps, repeats, tiny, out / "tiny")
+        peak = max(peak, gemm_peak(sizes, reps))  # measured before and after: the machine's load drifts
+        fpt = tiny_flops_per_token(tiny)
+        step_ms = 1000 * cfg.batch_size * cfg.seq_len / scaling["one_rank"]["tokens_per_sec"]
+        one_rank_flops = scaling["one_rank"]["tokens_per_sec"] * fpt
+        two_rank_flops = scaling["two_ranks"]["tokens_per_sec"] * fpt / 2
+        breakdown = " / ".join(
+            f"{k[3:]} {scaling['one_rank'][k]:.1f} -> {scaling['two_ranks'][k]:.1f}"
+            for k in scaling["one_rank"]
+            if k.startswith("ms_")
+        )
+        rows += [
+            ("scaling, 2 ranks vs 1, both under torchrun and DDP (goal >= 1.8x)",
+             f"{scaling['ratio']:.2f}x: {scaling['two_ranks']['tokens_per_sec']:,.0f} vs "
+             f"{scaling['one_rank']['tokens_per_sec']:,.0f} tokens/s"),
+            ("per step, ms, 1 rank -> 2 ranks", breakdown),
+            ("the 1-rank run twice at once, not communicating, vs once", f"{scaling['pair_ratio']:.2f}x the tokens/s"),
+            (f"2 ranks vs the 1-rank run twice at once, same rounds (goal >= {PAIR_GOAL})",
+             f"{scaling['two_vs_pair']:.3f}: {scaling['two_ranks']['tokens_per_sec']:,.0f} vs "
+             f"{scaling['pair_tokens_per_sec']:,.0f} tokens/s (per round: "
+             f"{', '.join(f'{r:.3f}' for r in scaling['rounds']['two_vs_pair'])})"),
+        ]  # fmt: skip
+    if "all-reduce" in only:
+        got["allreduce_ms"] = allreduce = allreduce_ms(numel)
+        per_step = f"; a 1-rank step takes {step_ms:.0f} ms" if "scaling" in only else ""
+        rows.append((f"one all-reduce of the {4 * numel / 1e6:.1f} MB gradient, 2 Gloo ranks alone",
+                     f"{allreduce['fp32']:.1f} ms (bf16: {allreduce['bf16']:.1f} ms){per_step}"))  # fmt: skip
+        if "scaling" in only:
+            # What 2 ranks could reach if the only losses were the two measured apart: sharing the
+            # machine, and one step's all-reduce with nothing hidden behind backward. The rest of the
+            # gap is waiting: each step runs at the pace of the slower rank.
+            got["ceiling"] = ceiling = scaling["pair_ratio"] * step_ms / (step_ms + allreduce["fp32"])
+            rows.append(("scaling if those two were the only losses (no overlap)", f"{ceiling:.2f}x"))
+    if "scaling" in only:
+        got |= {"gemm_peak": peak, "flops_per_token": fpt}
+        rows += [
+            ("matmul peak, 1 thread", f"{peak / 1e9:.1f} GFLOP/s"),
+            ("efficiency, 1 rank (goal >= 70%)",
+             f"{100 * one_rank_flops / peak:.0f}% ({one_rank_flops / 1e9:.1f} GFLOP/s at {fpt / 1e6:.2f} MFLOP/token)"),
+            ("efficiency, per rank of 2", f"{100 * two_rank_flops / peak:.0f}%"),
+        ]  # fmt: skip
+    if "start-up" in only:
+        startup_one = statistics.median(seconds_to_first_step(None, tiny, out / "startup") for _ in range(repeats))
+        startup_two = statistics.median(seconds_to_first_step(2, tiny, out / "startup") for _ in range(repeats))
+        got |= {"startup_one": startup_one, "startup_two": startup_two}
+        rows += [
+            ("start-up to first step, 1 process (goal <= 3 s)", f"{startup_one:.2f} s"),
+            ("start-up to first step, 2 ranks (torchrun)", f"{startup_two:.2f} s"),
+        ]
+    if "memory" in only:
+        tiny_memory = summary_row(launch(["--cpu", "--max-steps", "3", "--output-dir", str(run_dir(out, "mem")),
+                                          *tiny], 2), "peak memory")  # fmt: skip
+    if "trainer" in only:
+        got["trainer"] = trainer = compare_with_trainer(10 if smoke else 300, repeats, 8, 64, out / "qwen")
+        rows += [
+            ("LoRA vs Trainer, 2 ranks (goal >= 1.2x)",
+             f"{trainer['ratio']:.2f}x: {trainer['ours_tokens_per_sec']:,.0f} vs "
+             f"{trainer['trainer_tokens_per_sec']:,.0f} tokens/s"),
+            ("loss on the same 64 training lines after training, ours vs Trainer",
+             f"{trainer['ours_loss']:.4f} vs {trainer['trainer_loss']:.4f} (untrained: {trainer['base_loss']:.4f})"),
+        ]  # fmt: skip
+    if "memory" in only:
+        got["tiny_memory"] = tiny_memory
+        rows.append(("peak memory, tiny model", tiny_memory))
+    if "trainer" in only:
+        rows.append(("peak memory, Qwen2 + LoRA (tiny fixture)", trainer["memory"]))
 
-    breakdown = " / ".join(
-        f"{k[3:]} {scaling['one_rank'][k]:.1f} -> {scaling['two_ranks'][k]:.1f}"
-        for k in scaling["one_rank"]
-        if k.startswith("ms_")
-    )
-    rows = [
-        ("scaling, 2 ranks vs 1, both under torchrun and DDP (goal >= 1.8x)",
-         f"{scaling['ratio']:.2f}x: {scaling['two_ranks']['tokens_per_sec']:,.0f} vs "
-         f"{scaling['one_rank']['tokens_per_sec']:,.0f} tokens/s"),
-        ("per step, ms, 1 rank -> 2 ranks", breakdown),
-        ("the 1-rank run twice at once, not communicating, vs once", f"{scaling['pair_ratio']:.2f}x the tokens/s"),
-        (f"2 ranks vs the 1-rank run twice at once, same rounds (goal >= {PAIR_GOAL})",
-         f"{scaling['two_vs_pair']:.3f}: {scaling['two_ranks']['tokens_per_sec']:,.0f} vs "
-         f"{scaling['pair_tokens_per_sec']:,.0f} tokens/s (per round: "
-         f"{', '.join(f'{r:.3f}' for r in scaling['rounds']['two_vs_pair'])})"),
-        (f"one all-reduce of the {gradient_mb:.1f} MB gradient, 2 Gloo ranks alone",
-         f"{allreduce['fp32']:.1f} ms (bf16: {allreduce['bf16']:.1f} ms); a 1-rank step takes {step_ms:.0f} ms"),
-        ("scaling if those two were the only losses (no overlap)", f"{ceiling:.2f}x"),
-        ("matmul peak, 1 thread", f"{peak / 1e9:.1f} GFLOP/s"),
-        ("efficiency, 1 rank (goal >= 70%)",
-         f"{100 * one_rank_flops / peak:.0f}% ({one_rank_flops / 1e9:.1f} GFLOP/s at {fpt / 1e6:.2f} MFLOP/token)"),
-        ("efficiency, per rank of 2", f"{100 * two_rank_flops / peak:.0f}%"),
-        ("start-up to first step, 1 process (goal <= 3 s)", f"{startup_one:.2f} s"),
-        ("start-up to first step, 2 ranks (torchrun)", f"{startup_two:.2f} s"),
-        ("LoRA vs Trainer, 2 ranks (goal >= 1.2x)",
-         f"{trainer['ratio']:.2f}x: {trainer['ours_tokens_per_sec']:,.0f} vs "
-         f"{trainer['trainer_tokens_per_sec']:,.0f} tokens/s"),
-        ("loss on the same 64 training lines after training, ours vs Trainer",
-         f"{trainer['ours_loss']:.4f} vs {trainer['trainer_loss']:.4f} (untrained: {trainer['base_loss']:.4f})"),
-        ("peak memory, tiny model", tiny_memory),
-        ("peak memory, Qwen2 + LoRA (tiny fixture)", trainer["memory"]),
-    ]  # fmt: skip
     print(f"\n{'smoke run: sizes and step counts are too small for these numbers to mean anything' if smoke else ''}")
     print("| measurement | result |\n|---|---|")
     for name, value in rows:
         print(f"| {name} | {value} |")
-    results = {"scaling": scaling, "allreduce_ms": allreduce, "ceiling": ceiling,
-               "gemm_peak": peak, "flops_per_token": fpt, "startup_one": startup_one,
-               "startup_two": startup_two, "trainer": trainer, "tiny_memory": tiny_memory}  # fmt: skip
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "results.json").write_text(json.dumps(got, indent=1))
 
 
 if __name__ == "__main__":

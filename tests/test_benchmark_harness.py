@@ -1,9 +1,16 @@
 """benchmarks/benchmark.py cleans up after itself: its temp folder and its child processes; it
-names the model it measures in full; and it reports 2 ranks against two independent 1-rank runs."""
+names the model it measures in full; and it reports 2 ranks against two independent 1-rank runs.
+
+The end-to-end runs are `--smoke` runs: the smoke run that finishes measures scaling only (`--only
+scaling`: the 1-rank, 2-rank and paired runs whose rows are checked; the all-reduce, start-up and
+Trainer launches would triple its time and check nothing here), and every row of the full table is
+checked in-process, with the measurements stubbed. The stopped runs are stopped in the first
+training run, which every measurement set starts with."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import signal
 import subprocess
 import sys
@@ -56,7 +63,7 @@ def processes_mentioning(text: str) -> list[str]:
 
 @pytest.mark.timeout(300)
 def test_smoke_run_removes_its_temp_folder(tmp_path):
-    proc = start_benchmark(tmp_path)
+    proc = start_benchmark(tmp_path, "--only", "scaling")
     out, err = finish(proc, timeout=240)
     assert proc.returncode == 0, f"--- stdout\n{out}\n--- stderr\n{err}"
     assert "| scaling, 2 ranks vs 1" in out
@@ -116,3 +123,66 @@ def test_two_ranks_are_compared_with_the_pair_of_their_own_round():
     assert result["pair_ratio"] == pytest.approx((2.0 + 1.8) / 2)
     assert result["pair_tokens_per_sec"] == 145.0
     assert result["two_ranks"] == {"tokens_per_sec": 140.0, "ms_forward": 2.0}
+
+
+# The full run's table, row by row (at the smoke's model size, which only the gradient's MB shows).
+FULL_TABLE = [
+    "scaling, 2 ranks vs 1, both under torchrun and DDP (goal >= 1.8x)",
+    "per step, ms, 1 rank -> 2 ranks",
+    "the 1-rank run twice at once, not communicating, vs once",
+    "2 ranks vs the 1-rank run twice at once, same rounds (goal >= 0.97)",
+    "one all-reduce of the 0.4 MB gradient, 2 Gloo ranks alone",
+    "scaling if those two were the only losses (no overlap)",
+    "matmul peak, 1 thread",
+    "efficiency, 1 rank (goal >= 70%)",
+    "efficiency, per rank of 2",
+    "start-up to first step, 1 process (goal <= 3 s)",
+    "start-up to first step, 2 ranks (torchrun)",
+    "LoRA vs Trainer, 2 ranks (goal >= 1.2x)",
+    "loss on the same 64 training lines after training, ours vs Trainer",
+    "peak memory, tiny model",
+    "peak memory, Qwen2 + LoRA (tiny fixture)",
+]
+FULL_RESULTS = ["scaling", "allreduce_ms", "ceiling", "gemm_peak", "flops_per_token", "startup_one", "startup_two",
+                "trainer", "tiny_memory"]  # fmt: skip
+
+
+@pytest.fixture
+def stubbed_measure(monkeypatch, tmp_path, capsys):
+    """measure(only=...) with every measurement replaced by fixed numbers: the names of its table's
+    rows, and results.json's keys."""
+    benchmark = load_benchmark()
+    speed = {"tokens_per_sec": 1000.0, "ms_forward": 1.0}
+    scaling = {"one_rank": speed, "two_ranks": speed, "ratio": 1.0, "pair_ratio": 2.0, "pair_tokens_per_sec": 2000.0,
+               "two_vs_pair": 0.5, "rounds": {"two_vs_pair": [0.5]}}  # fmt: skip
+    trainer = {"ratio": 1.0, "ours_tokens_per_sec": 1.0, "trainer_tokens_per_sec": 1.0, "ours_loss": 1.0,
+               "trainer_loss": 1.0, "base_loss": 2.0, "memory": "rank 0: 1 MiB RSS"}  # fmt: skip
+    monkeypatch.setattr(benchmark, "gemm_peak", lambda *a: 1e9)
+    monkeypatch.setattr(benchmark, "measure_scaling", lambda *a: scaling)
+    monkeypatch.setattr(benchmark, "allreduce_ms", lambda numel: {"fp32": 1.0, "bf16": 1.0})
+    monkeypatch.setattr(benchmark, "seconds_to_first_step", lambda *a: 1.0)
+    monkeypatch.setattr(benchmark, "launch", lambda *a: "  peak memory rank 0: 1 MiB RSS\n")
+    monkeypatch.setattr(benchmark, "compare_with_trainer", lambda *a: trainer)
+
+    def measure(*only: str) -> tuple[list[str], list[str]]:
+        capsys.readouterr()
+        benchmark.measure(tmp_path, True, 1, only or benchmark.MEASUREMENTS)
+        table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+        rows = [line[2:].split(" | ")[0] for line in table[1:]]  # past the header
+        return rows, list(json.loads((tmp_path / "results.json").read_text()))
+
+    return measure
+
+
+def test_the_full_table_has_every_row_and_result(stubbed_measure):
+    assert stubbed_measure() == (FULL_TABLE, FULL_RESULTS)
+
+
+def test_only_prints_the_rows_of_the_measurements_it_names(stubbed_measure):
+    rows, results = stubbed_measure("scaling")
+    assert rows == [*FULL_TABLE[:4], *FULL_TABLE[6:9]]  # the scaling rows, the matmul peak and efficiency
+    assert results == ["scaling", "gemm_peak", "flops_per_token"]
+    # A row of two measurements needs both: without scaling, no ceiling and no 1-rank step.
+    rows, results = stubbed_measure("all-reduce", "trainer")
+    assert rows == [FULL_TABLE[4], *FULL_TABLE[11:13], FULL_TABLE[14]]
+    assert results == ["allreduce_ms", "trainer"]
