@@ -105,7 +105,7 @@ def launched(tmp_path_factory) -> dict[str, tuple[Run, Path]]:
     for name, args in extra.items():
         outs[name] = root / f"extra{len(outs)}"
         jobs[2][name] = [*args, "--output-dir", str(outs[name])]
-    ran = {**run_jobs_with_probes(jobs[2], nproc=2), **run_jobs(jobs[None])}
+    ran = {**run_jobs_with_probes(jobs[2], nproc=2, timeout=480), **run_jobs(jobs[None], timeout=300)}
     return {name: (ran[name], outs[name]) for name in outs}
 
 

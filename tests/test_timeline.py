@@ -61,7 +61,7 @@ def two_ranks(tmp_path_factory):
         "clock probe": ["probe:clock"],  # no run: no folder of its own
     }  # fmt: skip
     outs["4 steps, checkpointed"], outs["clock probe"] = outs["resumed"], root
-    ran = run_jobs_with_probes(jobs, nproc=2, timeout=300)
+    ran = run_jobs_with_probes(jobs, nproc=2, timeout=400)
     return {name: (ran[name], outs[name]) for name in jobs}
 
 

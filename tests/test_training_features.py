@@ -59,7 +59,9 @@ def two_ranks(tmp_path_factory):
         "small": [*TINY, "--corpus-file", str(corpus), "--batch-size", "1", "--max-steps", "2",
                   "--metrics-file", str(root / "small-metrics.jsonl")],
     }  # fmt: skip
-    ran = run_jobs({name: [*args, "--output-dir", str(outs[name])] for name, args in jobs.items()}, nproc=2)
+    ran = run_jobs(
+        {name: [*args, "--output-dir", str(outs[name])] for name, args in jobs.items()}, nproc=2, timeout=480
+    )
     return {name: (ran[name], outs[name]) for name in jobs}
 
 
@@ -88,7 +90,7 @@ def one_process(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:  # conftest.child_env passes the test process's environment on
         for name, value in AVX2_ONLY.items():
             patch.setenv(name, value)
-        ran = run_jobs({name: [*args, "--output-dir", str(outs[name])] for name, args in jobs.items()})
+        ran = run_jobs({name: [*args, "--output-dir", str(outs[name])] for name, args in jobs.items()}, timeout=300)
     return {name: (ran[name], outs[name]) for name in jobs}
 
 
