@@ -1,4 +1,8 @@
-"""The ways to launch, end to end: one process, torchrun on one machine, two nodes, and --nproc."""
+"""The ways to launch, end to end: one process, torchrun on one machine, two nodes, and --nproc.
+
+torchrun and --nproc each start one same run (dropout included) for the module: the loss falls
+under torchrun, and the two write the same bytes.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY, assert_ok, child_env, free_port, launch, run_cmd, torchrun_cmd
+from in_process import run_main
 
 import llm_ddp_parallel_training as t
 
@@ -28,13 +33,23 @@ def test_single_process_run_writes_a_checkpoint_that_reloads(tmp_path):
     assert model(torch.zeros(2, 5, dtype=torch.long)).shape == (2, 5, 256)
 
 
-def test_two_gloo_ranks_train_and_the_loss_falls(tmp_path):
-    run = launch([*TINY, "--max-steps", "40", "--log-every", "10", "--output-dir", str(tmp_path)], nproc=2)
+@pytest.fixture(scope="module")
+def torchrun_and_nproc(tmp_path_factory) -> dict[str, tuple]:
+    """The same run, started by torchrun and by --nproc 2: {launcher: (run, output folder)}."""
+    root = tmp_path_factory.mktemp("launchers")
+    args = [*TINY, "--max-steps", "40", "--log-every", "10", "--dropout", "0.1"]
+    torchrun = launch([*args, "--output-dir", str(root / "torchrun")], nproc=2)
+    nproc = launch([*args, "--nproc", "2", "--output-dir", str(root / "nproc")])
+    return {"torchrun": (torchrun, root / "torchrun"), "nproc": (nproc, root / "nproc")}
+
+
+def test_two_gloo_ranks_train_and_the_loss_falls(torchrun_and_nproc):
+    run, out = torchrun_and_nproc["torchrun"]
     assert_ok(run)
     assert "2 rank(s) x 4 examples x 1 micro-step(s) = global batch 8" in run.stdout
     losses = run.losses()
     assert len(losses) >= 4 and losses[-1] < losses[0] - 1.0, losses
-    assert (tmp_path / "tiny_transformer.pt").exists()
+    assert (out / "tiny_transformer.pt").exists()
     assert "[sample] Each rank" in run.stdout
 
 
@@ -58,11 +73,12 @@ def test_two_nodes_meet_through_c10d_rendezvous(tmp_path):
     assert (tmp_path / "tiny_transformer.pt").exists()
 
 
-def test_same_seed_same_world_size_gives_bitwise_identical_checkpoints(tmp_path):
+def test_same_seed_same_world_size_gives_bitwise_identical_checkpoints(torchrun_and_nproc):
+    # Two launches of one run (seed 1337, 2 ranks, dropout 0.1): one by torchrun, one by --nproc 2.
     paths = []
-    for name in ("a", "b"):
-        out = tmp_path / name
-        assert_ok(launch([*TINY, "--max-steps", "6", "--output-dir", str(out)], nproc=2))
+    for name in ("torchrun", "nproc"):
+        run, out = torchrun_and_nproc[name]
+        assert_ok(run)
         paths.append(out / "tiny_transformer.pt")
     assert paths[0].read_bytes() == paths[1].read_bytes()
 
@@ -100,28 +116,30 @@ def test_waiting_for_a_download_has_no_collective_deadline(tmp_path):
     assert "rank 0 met, problem ''" in run.stdout and "rank 1 met, problem ''" in run.stdout
 
 
-def test_nproc_runs_the_ranks_itself_and_writes_what_torchrun_writes_bit_for_bit(tmp_path):
-    args = [*TINY, "--max-steps", "6", "--dropout", "0.1"]
-    assert_ok(launch([*args, "--output-dir", str(tmp_path / "torchrun")], nproc=2))
-    run = launch([*args, "--nproc", "2", "--output-dir", str(tmp_path / "nproc")])
+def test_nproc_runs_the_ranks_itself_and_writes_what_torchrun_writes_bit_for_bit(torchrun_and_nproc):
+    assert_ok(torchrun_and_nproc["torchrun"][0])
+    run = torchrun_and_nproc["nproc"][0]
     assert_ok(run)
     assert "2 process(es)" in run.stdout
-    checkpoints = [(tmp_path / name / "tiny_transformer.pt").read_bytes() for name in ("torchrun", "nproc")]
+    checkpoints = [(out / "tiny_transformer.pt").read_bytes() for _, out in torchrun_and_nproc.values()]
     assert checkpoints[0] == checkpoints[1]
 
 
 def test_a_failing_rank_under_nproc_ends_every_rank_promptly_with_a_clear_line(tmp_path):
-    run = launch([*TINY, "--nproc", "2", "--inject-fault", "1:3:raise", "--output-dir", str(tmp_path)], timeout=60)
-    assert run.returncode != 0 and run.seconds < 30
+    run = launch([*TINY, "--nproc", "2", "--inject-fault", "1:3:raise", "--output-dir", str(tmp_path)], timeout=280)
+    # Promptly: a launch that fails at once takes 5-40 s on a loaded 2-core machine; rank 0, left to find
+    # out by itself, would wait --timeout-s, 300 s by default, after its start. Generous, still short of it.
+    assert run.returncode != 0 and run.seconds < 200
     assert "error: rank 1 failed first (exit code 1); every rank has stopped" in run.stderr
     assert "rank 0 lost contact with another rank" in run.stderr
 
 
-def test_nproc_inside_a_launched_rank_is_refused():
+def test_nproc_inside_a_launched_rank_is_refused(monkeypatch, capsys):
     # (torchrun itself rejects "--nproc" after the script as an ambiguous abbreviation of its own
-    # --nproc-per-node; a rank launched any other way carries torchrun's variables.)
-    env = child_env({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
-    run = launch([*TINY, "--nproc", "2"], env=env)
+    # --nproc-per-node; a rank launched any other way carries torchrun's variables.) main() runs in
+    # this process: the refusal comes before any rank or process group.
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    run = run_main([*TINY, "--nproc", "2"], monkeypatch, capsys, env)
     assert run.returncode == 2
     assert "error: --nproc starts its own ranks: under torchrun, leave it out" in run.stderr
 
@@ -184,6 +202,6 @@ def test_ranks_end_with_a_checkpoint_when_their_nproc_launcher_is_killed(tmp_pat
     stopped_at = int(output.split("stopped after step ")[1].split(";")[0])
     assert (out / "checkpoints" / f"step_{stopped_at:08d}" / "manifest.json").exists()
     # The folder is free again (run.lock went with the ranks), and the same run resumes there.
-    resumed = launch([*args, "--max-steps", str(stopped_at + 1)], nproc=2)
+    resumed = launch([*args, "--max-steps", str(stopped_at + 1), "--nproc", "2"])
     assert_ok(resumed)
     assert f"(step {stopped_at}" in resumed.stdout
