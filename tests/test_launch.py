@@ -63,8 +63,8 @@ def test_two_nodes_meet_through_c10d_rendezvous(tmp_path):
         cmds[1], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(), start_new_session=True
     )
     try:
-        run = run_cmd(cmds[0], timeout=120)
-        other_out, _ = other.communicate(timeout=60)
+        run = run_cmd(cmds[0], timeout=240)
+        other_out, _ = other.communicate(timeout=120)
     finally:
         other.kill()
     assert_ok(run)
@@ -90,7 +90,7 @@ def test_the_tiny_path_never_imports_transformers_or_peft(tmp_path):
         f"t.main({args!r})\n"
         "print('IMPORTED', [m for m in ('transformers', 'peft') if m in sys.modules])"
     )
-    run = run_cmd([sys.executable, "-c", code], timeout=60)
+    run = run_cmd([sys.executable, "-c", code], timeout=120)
     assert_ok(run)
     assert "IMPORTED []" in run.stdout
 
@@ -111,7 +111,7 @@ t.teardown_distributed()
 def test_waiting_for_a_download_has_no_collective_deadline(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text(MEETING_PROBE)
-    run = run_cmd(torchrun_cmd(2, [*TINY, "--timeout-s", "1"], script=probe), timeout=60)
+    run = run_cmd(torchrun_cmd(2, [*TINY, "--timeout-s", "1"], script=probe), timeout=180)
     assert_ok(run)
     assert "rank 0 met, problem ''" in run.stdout and "rank 1 met, problem ''" in run.stdout
 
@@ -155,7 +155,7 @@ def test_ctrl_c_to_the_nproc_launcher_stops_every_rank_with_a_checkpoint(tmp_pat
             if line.startswith("step    20/"):
                 break
         os.kill(proc.pid, signal.SIGINT)
-        output = proc.communicate(timeout=60)[0]
+        output = proc.communicate(timeout=180)[0]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -182,15 +182,16 @@ def test_ranks_end_with_a_checkpoint_when_their_nproc_launcher_is_killed(tmp_pat
                                 stdout=sink,
                                 stderr=subprocess.STDOUT, env=child_env(), start_new_session=True)  # fmt: skip
     try:
-        deadline = time.monotonic() + 60
+        started = time.monotonic()
         while "step     5/" not in log.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            assert proc.poll() is None and time.monotonic() < started + 240, log.read_text()
             time.sleep(0.2)
         ranks = [int(pid) for pid in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
         assert len(ranks) == 2
         proc.kill()
         proc.wait()
-        deadline = time.monotonic() + 30
+        # Within 30 s, or on a machine so busy that the start took longer, within that.
+        deadline = time.monotonic() + max(30, time.monotonic() - started)
         while any(map(process_alive, ranks)):
             assert time.monotonic() < deadline, f"ranks outlived their launcher:\n{log.read_text()}"
             time.sleep(0.2)

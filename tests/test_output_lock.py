@@ -34,7 +34,7 @@ def start_long_run(out):
 
 def hold_the_folder(proc, out) -> None:
     """Wait until the long run `proc` holds `out`, then pause it: it keeps the lock and leaves the cores."""
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 240  # a process's start: seconds, or a minute on a busy machine
     while f"pid {proc.pid}" not in ((out / "run.lock").read_text() if (out / "run.lock").exists() else ""):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
