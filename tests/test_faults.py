@@ -1,68 +1,30 @@
-"""Faults: a killed worker, a stop request, a crash mid-save, a raising rank, a NaN, a bad file.
+"""Faults, and what a resume decides after them: a crash mid-save, a damaged checkpoint, other
+settings, a NaN, a rollback, pruning, a metrics file left by another run.
 
 Every recovery is judged against one uninterrupted run: the final weights must be bitwise
 identical (CPU, Gloo, dropout 0.1), which is only true if the resumed run continued on exactly
 the examples it had not seen, with the same optimizer state and the same dropout masks.
 
-Kills, hangs, signals and torchrun's restarts each have a launch of their own. What a resume
-decides (to refuse, to skip a damaged or partial checkpoint, to prune, to roll back) does not
-depend on how its ranks were started: those resumes, the uninterrupted run and the other runs
-that end in an error on every rank are jobs of a few shared launches (tests/worker.py runs each
-through the script's own parse_args(), run() and report_failure(), and keeps every rank's exit
-code), made once for the module by the fixtures `first` and `shared`.
+What a resume decides (to refuse, to skip a damaged or partial checkpoint, to prune, to roll
+back) does not depend on how its ranks were started: the uninterrupted run and those resumes
+are jobs of a few shared launches (tests/worker.py runs each through the script's own
+parse_args(), run() and report_failure(), and keeps every rank's exit code), made once for the
+module by the fixtures `first` and `shared`; the crash mid-save, a kill, has a launch of its own.
+Kills with torchrun's restarts: tests/test_recovery.py; stop requests: tests/test_stops.py; a
+rank that fails, hangs or dies: tests/test_crashes.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import json
-import os
-import resource
 import shutil
-import signal
-import subprocess
-import sys
-import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import SCRIPT, TINY, Run, assert_ok, child_env, launch, run_cmd, run_jobs, torchrun_cmd
-
-RUN = [
-    *TINY,
-    "--dropout",
-    "0.1",
-    "--optimizer",
-    "sgd",
-    "--lr",
-    "0.5",
-    "--max-steps",
-    "120",
-    "--save-every",
-    "40",
-    "--log-every",
-    "10",
-]
-
-# "Promptly", for a job whose failed rank takes the others down with it: a launch that fails at
-# once takes 5-40 s on a loaded 2-core machine. Were the others left to find out by themselves,
-# they would wait --timeout-s, 300 s by default, after their start: generous, and still short of it.
-PROMPT_S = 200
-
-
-def weights(out) -> dict[str, torch.Tensor]:
-    return torch.load(out / "tiny_transformer.pt", weights_only=True)["model"]
-
-
-def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    differ = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not differ, f"weights differ from the uninterrupted run: {differ}"
+from conftest import SCRIPT, TINY, assert_ok, launch, run_jobs
+from fault_helpers import RUN, assert_bitwise_equal, weights
 
 
 def damage(folder) -> None:
@@ -174,63 +136,6 @@ def shared(first) -> SimpleNamespace:
     )
 
 
-def test_a_killed_worker_is_restarted_by_torchrun_and_resumes_bit_exactly(uninterrupted, tmp_path):
-    cmd = torchrun_cmd(
-        2, [*RUN, "--output-dir", str(tmp_path), "--inject-fault", "1:60"], ["--standalone", "--max-restarts=1"]
-    )
-    run = run_cmd(cmd, timeout=300)
-    assert_ok(run)
-    assert "injected 'kill' at step 60" in run.stderr
-    assert "continuing from" in run.stdout and "step_00000040" in run.stdout
-    assert_bitwise_equal(weights(uninterrupted), weights(tmp_path))
-
-
-def signal_at_step(cmd: list[str], step: int, send: Callable[[int], None]) -> tuple[int, str, float]:
-    """Start torchrun, wait until it logs `step`, call send(torchrun's pid), then collect the rest.
-
-    Returns the exit code, everything printed, and the seconds from the signal to the exit.
-    """
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
-                            start_new_session=True)  # fmt: skip
-    try:
-        seen = []
-        for line in proc.stdout:
-            seen.append(line)
-            if line.startswith(f"step {step:>5}/"):
-                break
-        sent = time.perf_counter()
-        send(proc.pid)
-        output = "".join(seen) + proc.communicate(timeout=180)[0]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    return proc.returncode, output, time.perf_counter() - sent
-
-
-def test_sigterm_stops_every_rank_with_a_checkpoint_and_the_same_command_finishes(uninterrupted, tmp_path):
-    metrics = tmp_path / "metrics.jsonl"
-    args = [*RUN, "--output-dir", str(tmp_path), "--log-every", "1", "--metrics-file", str(metrics)]
-    returncode, output, stop_seconds = signal_at_step(
-        torchrun_cmd(2, args), 20, lambda pid: os.kill(pid, signal.SIGTERM)
-    )
-    assert returncode != 0
-    assert "[stop] SIGTERM: every rank stopped after step" in output, output
-    stopped_at = int(output.split("stopped after step ")[1].split(";")[0])
-    assert 20 <= stopped_at < 120
-    assert (tmp_path / "checkpoints" / f"step_{stopped_at:08d}" / "manifest.json").exists()
-    assert not (tmp_path / "tiny_transformer.pt").exists()
-    print(f"SIGTERM to exit: {stop_seconds:.1f} s, stopped after step {stopped_at}")
-
-    resumed = launch([*RUN, "--output-dir", str(tmp_path), "--log-every", "1", "--metrics-file", str(metrics)], nproc=2)
-    assert_ok(resumed)
-    # Promptly: within 20 s, or on a machine so busy that starting the same run again took longer, within that.
-    assert stop_seconds < max(20, resumed.seconds), (stop_seconds, resumed.seconds)
-    assert f"(step {stopped_at}" in resumed.stdout
-    assert_bitwise_equal(weights(uninterrupted), weights(tmp_path))
-    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
-    assert steps == list(range(1, 121)), "the metrics file holds every step exactly once"
-
-
 def test_a_crash_during_a_checkpoint_write_never_leaves_a_loadable_partial(shared):
     assert shared.crashed.returncode != 0
     partial = shared.after_crash.get("step_00000080")  # the files of the crashed run's folder, before the resume
@@ -269,21 +174,6 @@ def test_resuming_with_other_settings_is_refused(shared):
     assert "cannot resume" in run.stderr and "world_size: 2 then, 1 now" in run.stderr
 
 
-def test_a_rank_that_raises_ends_the_whole_job_promptly_and_torchrun_names_it_the_root_cause(tmp_path):
-    # torchrun looks every 3 s here: by then both ranks have exited, and it must choose between their
-    # reports. The root cause is the rank that failed, not the one that lost it.
-    args = [*RUN, "--output-dir", str(tmp_path), "--inject-fault", "1:3:raise"]
-    run = run_cmd(torchrun_cmd(2, args, ["--standalone", "--monitor-interval=3"]), 280)
-    assert run.returncode != 0
-    assert run.seconds < PROMPT_S
-    assert "RuntimeError: injected failure on rank 1 at step 3" in run.output  # that rank's own error
-    assert "rank 0 lost contact with another rank" in run.stderr
-    assert run.returncode == 1
-    root_cause = run.stderr.split("Root Cause (first observed failure):")[1]
-    assert "rank      : 1 (local_rank: 1)" in root_cause, run.stderr
-    assert "injected failure on rank 1 at step 3" in root_cause
-
-
 def test_a_non_finite_loss_on_one_rank_stops_every_rank_before_the_update(first):
     run = first.runs["nan"]
     assert run.returncode == 1
@@ -292,38 +182,6 @@ def test_a_non_finite_loss_on_one_rank_stops_every_rank_before_the_update(first)
     assert "non-finite loss or gradient norm at step 2" in errors[0]
     assert "non-finite local loss on rank(s) [1]" in errors[0]
     assert SCRIPT.name + '", line' not in run.output
-
-
-def child_pids(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (torchrun's workers), from /proc."""
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                children.append(int(stat.parent.name))
-    return children
-
-
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_one_signal_to_the_whole_job_still_stops_cleanly_with_a_checkpoint(tmp_path, sig):
-    # Ctrl-C in a terminal, or Slurm's scancel, signals torchrun and every worker at once; the
-    # agent then forwards its copy to each worker, so each worker gets the signal twice, its own
-    # copy first. Here the forwarded copy comes 0.1 s after the direct one (the agent is quick
-    # when idle, slower on a loaded machine), while the workers are still in the step (the default
-    # d 512 model: about 0.25 s a step). It must not count as a second, "stop at once" request.
-    args = [*RUN, "--d-model", "512", "--batch-size", "16", "--output-dir", str(tmp_path), "--log-every", "1"]
-
-    def workers_then_launcher(launcher: int) -> None:
-        for pid in child_pids(launcher):
-            os.kill(pid, sig)
-        time.sleep(0.1)
-        os.kill(launcher, sig)
-
-    _, output, _ = signal_at_step(torchrun_cmd(2, args), 2, workers_then_launcher)
-    assert f"[stop] {sig.name}: every rank stopped after step" in output, output
-    assert "stopping at once" not in output and "KeyboardInterrupt" not in output, output
-    stopped_at = int(output.split("stopped after step ")[1].split(";")[0])
-    assert (tmp_path / "checkpoints" / f"step_{stopped_at:08d}" / "manifest.json").exists()
 
 
 def test_a_damaged_newer_checkpoint_never_makes_pruning_delete_the_good_ones(shared):
@@ -377,32 +235,16 @@ def test_resuming_with_another_learning_rate_is_refused(shared):
     assert "lr: 0.5 then, 0.25 now" in run.stderr and "weight_decay: 0.01 then, 0.1 now" in run.stderr
 
 
-def test_a_requested_stop_stays_stopped_under_max_restarts(tmp_path):
-    # SIGTERM to one worker: every rank stops with a checkpoint and exit code 3, which torchrun
-    # counts as a failure and restarts. The restarted attempt must not resume and finish.
-    args = [*RUN, "--output-dir", str(tmp_path), "--log-every", "1", "--max-steps", "400"]
-    cmd = torchrun_cmd(2, args, ["--standalone", "--max-restarts=1"])
-    returncode, output, _ = signal_at_step(cmd, 20, lambda launcher: os.kill(child_pids(launcher)[0], signal.SIGTERM))
-    assert "every rank stopped after step" in output, output
-    assert "torchrun restarted the job after a requested stop: it stays stopped" in output, output
-    assert "continuing from" not in output and not (tmp_path / "tiny_transformer.pt").exists()
-    assert returncode != 0
-
-
-def test_a_full_disk_under_the_metrics_file_ends_every_rank_with_one_line(tmp_path):
-    # RLIMIT_FSIZE makes a write past 8 KiB fail with EFBIG, as a full disk fails with ENOSPC.
-    def limit_file_size() -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192))
-
-    args = [*TINY, "--max-steps", "300", "--log-every", "1", "--metrics-file", str(tmp_path / "m.jsonl"),
-            "--output-dir", str(tmp_path)]  # fmt: skip
-    proc = subprocess.run(torchrun_cmd(2, args), capture_output=True, text=True, env=child_env(),
-                          preexec_fn=limit_file_size, timeout=240)  # fmt: skip
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert proc.returncode != 0
-    assert len(errors) == 1 and "could not write the metrics file" in errors[0] and "File too large" in errors[0]
-    assert SCRIPT.name + '", line' not in proc.stdout + proc.stderr
-    assert not (tmp_path / "tiny_transformer.pt").exists()
+def test_resuming_with_another_precision_compression_or_ddp_is_refused_naming_each(shared):
+    # A copy of the uninterrupted run: --precision bf16 --grad-compression bf16 --ddp manual --max-steps 130
+    run = shared.runs["precision"]
+    assert run.returncode != 0 and run.codes == (2, 2)
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: cannot resume")]
+    assert len(errors) == 1, run.stderr
+    for named in ("precision: 'fp32' then, 'bf16' now", "grad_compression: 'none' then, 'bf16' now",
+                  "ddp: 'torch' then, 'manual' now"):  # fmt: skip
+        assert named in errors[0]
+    assert "max_steps" not in errors[0], "a longer run is a free change"
 
 
 @pytest.mark.parametrize("torn", [b'{"st', b'{"step": 4, "lo'])
@@ -422,161 +264,6 @@ def test_a_fresh_run_moves_another_runs_metrics_file_aside(shared):
     assert "held 1 record(s) of an earlier run: moved to" in run.stdout
     assert [p.read_text() for p in metrics.parent.glob("m.jsonl.before-*")] == [earlier]
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2]
-
-
-def run_noting_a_line(cmd: list[str], mark: str, timeout: float) -> tuple[Run, float | None]:
-    """run_cmd, that also notes when the first line holding `mark` came: seconds from the start, or None."""
-    started = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
-                            start_new_session=True)  # fmt: skip
-    watchdog = threading.Timer(timeout, os.killpg, (proc.pid, signal.SIGKILL))
-    watchdog.start()
-    marked, out, err = [], [], []
-
-    def read(stream, lines: list[str]) -> None:
-        for line in stream:
-            if mark in line and not marked:
-                marked.append(time.perf_counter() - started)
-            lines.append(line)
-
-    readers = [
-        threading.Thread(target=read, args=(proc.stdout, out)),
-        threading.Thread(target=read, args=(proc.stderr, err)),
-    ]
-    for reader in readers:
-        reader.start()
-    for reader in readers:
-        reader.join()
-    proc.wait()
-    watchdog.cancel()
-    run = Run(proc.returncode, "".join(out), "".join(err), time.perf_counter() - started)
-    if run.seconds >= timeout:
-        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n--- stdout\n{run.stdout}\n--- stderr\n{run.stderr}")
-    return run, marked[0] if marked else None
-
-
-def test_a_rank_that_hangs_ends_the_job_after_the_timeout_with_one_line(tmp_path):
-    args = [*RUN, "--output-dir", str(tmp_path), "--timeout-s", "3", "--inject-fault", "1:5:hang"]
-    run, hung_at = run_noting_a_line(torchrun_cmd(2, args), "injected 'hang' at step 5", timeout=240)
-    assert run.returncode != 0 and hung_at is not None, run.output
-    # Promptly, on any machine: after the hang the job ends within the --timeout-s 3 plus twice the time it
-    # took to get there (start-up and 5 steps). A hung rank that ignored torchrun's request to stop would
-    # be killed only after torchrun's 30 s grace.
-    assert run.seconds - hung_at < 3 + 2 * hung_at, (hung_at, run.seconds)
-    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1, run.stderr
-    assert "rank 0: another rank did not answer within --timeout-s 3" in errors[0]
-    assert SCRIPT.name + '", line' not in run.output
-
-
-def test_when_rank_0_dies_the_other_ranks_say_so_too(tmp_path):
-    run = launch([*RUN, "--output-dir", str(tmp_path), "--inject-fault", "0:5"], nproc=2, timeout=280)
-    assert run.returncode != 0 and run.seconds < PROMPT_S
-    assert "error: rank 1 lost contact with another rank" in run.stderr, run.stderr
-
-
-def test_a_second_signal_after_the_first_was_acknowledged_stops_at_once():
-    # The deliberate way out stays: a repeat within REPEAT_S (here 0.5 s) is the launcher's
-    # forwarded copy and changes nothing; one after it exits at once, without a checkpoint.
-    code = (
-        "import os, signal, sys, time\n"
-        "import llm_ddp_parallel_training as t\n"
-        "t.STOP.install()\n"
-        "t.STOP.REPEAT_S = 0.5\n"
-        "for pause in (0.1, 0.1):\n"
-        "    os.kill(os.getpid(), signal.SIGINT)\n"
-        "    time.sleep(pause)\n"
-        "print('still running after the copy', flush=True)\n"
-        "time.sleep(0.6)\n"
-        "os.kill(os.getpid(), signal.SIGINT)\n"
-        "time.sleep(10)\n"
-        "print('never printed')\n"
-    )
-    run = run_cmd([sys.executable, "-c", code], timeout=120)
-    assert run.returncode == 128 + signal.SIGINT
-    assert "still running after the copy" in run.stdout and "never printed" not in run.stdout
-    assert "[stop] SIGINT: every rank stops after this step" in run.stderr
-    assert "[stop] second SIGINT: stopping at once, without a checkpoint" in run.stderr
-
-
-def test_the_launchers_copy_is_recognised_even_while_a_long_computation_runs():
-    # Python runs signal handlers only between bytecodes. Here the forwarded copy arrives 0.2 s
-    # after the first signal but while the main thread is inside one long C call (a few
-    # seconds of matmuls, as in a big backward pass): it must still count as the same request.
-    code = (
-        "import os, signal, threading, time, torch\n"
-        "import llm_ddp_parallel_training as t\n"
-        "torch.set_num_threads(1)\n"
-        "t.STOP.install()\n"
-        "t.STOP.REPEAT_S = 0.5\n"
-        "os.kill(os.getpid(), signal.SIGTERM)\n"
-        "time.sleep(0.1)\n"
-        "threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()\n"
-        "started = time.monotonic()\n"
-        "torch.linalg.matrix_power(torch.randn(1200, 1200, dtype=torch.float64), 63)\n"
-        "print(f'computed for {time.monotonic() - started:.1f} s; still running', flush=True)\n"
-    )
-    run = run_cmd([sys.executable, "-c", code], timeout=120)
-    assert run.returncode == 0, run.output
-    assert "still running" in run.stdout and "stopping at once" not in run.stderr
-
-
-def test_a_restart_continues_from_the_newest_checkpoint_even_after_resume_path(uninterrupted, tmp_path):
-    # --resume PATH chose the first attempt's start. Going back there after a crash would throw
-    # away everything trained since (and set those checkpoints aside as abandoned).
-    out = tmp_path / "copy"
-    shutil.copytree(uninterrupted, out)
-    (out / "tiny_transformer.pt").unlink()
-    args = [*RUN, "--output-dir", str(out), "--resume", str(out / "checkpoints" / "step_00000080"),
-            "--save-every", "10", "--inject-fault", "1:105"]  # fmt: skip
-    run = run_cmd(torchrun_cmd(2, args, ["--standalone", "--max-restarts=1"]), timeout=300)
-    assert_ok(run)
-    assert "torchrun restarted the job: --resume" in run.stdout and "step_00000100 (step 100" in run.stdout
-    assert_bitwise_equal(weights(uninterrupted), weights(out))
-
-
-def test_the_stop_marker_holds_only_for_restarts_of_the_same_launch(tmp_path, monkeypatch):
-    import llm_ddp_parallel_training as t
-
-    cfg = t.parse_args([*TINY, "--output-dir", str(tmp_path)])
-    stopped = t.Dist(0, 0, 2, 2, torch.device("cpu"), "gloo", "", launch="3f2a")
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    t.write_stop_marker(cfg, stopped, 20, "SIGTERM")
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    assert t.stopped_in_an_earlier_attempt(cfg, stopped), "a restart of the stopped launch stays stopped"
-    another = dataclasses.replace(stopped, launch="9c41")
-    assert not t.stopped_in_an_earlier_attempt(cfg, another), "another launch resumes"
-    assert not (tmp_path / t.STOP_MARKER).exists(), "a new launch clears the marker"
-
-
-def test_a_requested_stop_stays_stopped_with_a_process_between_torchrun_and_python(tmp_path):
-    # Every restart starts a new bash, so the ranks' parent changes; the launch does not.
-    args = [*RUN, "--output-dir", str(tmp_path), "--log-every", "1", "--max-steps", "400"]
-    wrapped = f"{sys.executable} {SCRIPT} {' '.join(args)}; exit $?"  # a compound command: bash stays
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-           "--no-python", "bash", "-c", wrapped]  # fmt: skip
-
-    def stop_one_rank(launcher: int) -> None:
-        ranks = [pid for shell in child_pids(launcher) for pid in child_pids(shell)]
-        os.kill(ranks[0], signal.SIGTERM)
-
-    returncode, output, _ = signal_at_step(cmd, 20, stop_one_rank)
-    assert "every rank stopped after step" in output, output
-    assert "torchrun restarted the job after a requested stop: it stays stopped" in output, output
-    assert "continuing from" not in output and not (tmp_path / "tiny_transformer.pt").exists()
-    assert returncode != 0
-
-
-def test_resuming_with_another_precision_compression_or_ddp_is_refused_naming_each(shared):
-    # A copy of the uninterrupted run: --precision bf16 --grad-compression bf16 --ddp manual --max-steps 130
-    run = shared.runs["precision"]
-    assert run.returncode != 0 and run.codes == (2, 2)
-    errors = [line for line in run.stderr.splitlines() if line.startswith("error: cannot resume")]
-    assert len(errors) == 1, run.stderr
-    for named in ("precision: 'fp32' then, 'bf16' now", "grad_compression: 'none' then, 'bf16' now",
-                  "ddp: 'torch' then, 'manual' now"):  # fmt: skip
-        assert named in errors[0]
-    assert "max_steps" not in errors[0], "a longer run is a free change"
 
 
 def test_an_older_checkpoint_without_the_newer_settings_still_resumes(capsys):
