@@ -16,7 +16,7 @@ import subprocess
 import pytest
 import torch
 from conftest import assert_ok, child_env, run_cmd, torchrun_cmd
-from shared_launch import Shared, error_lines, share
+from shared_launch import PROMPTLY_S, Shared, error_lines, share
 
 import llm_ddp_parallel_training as t
 
@@ -139,7 +139,7 @@ def test_a_model_that_cannot_be_loaded_stops_every_rank_with_one_line(two_ranks,
     errors = error_lines(run)
     assert len(errors) == 1 and "cannot load model" in errors[0] and name in errors[0], run.stderr
     assert 'llm_ddp_parallel_training.py", line' not in run.output
-    assert runs.seconds(job) < 60
+    assert runs.seconds(job) < PROMPTLY_S
 
 
 def test_lora_targets_the_model_lacks_are_named_with_the_layers_it_has(one_process):

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, SCRIPT, TINY, assert_ok, child_env, free_port, launch, run_cmd, torchrun_cmd
+from conftest import REPO, SCRIPT, TINY, assert_ok, child_env, free_port, run_cmd, torchrun_cmd
 from shared_launch import Shared, assert_one_clear_error, share
 
 import llm_ddp_parallel_training as t
@@ -213,8 +213,15 @@ def one_process(killed_builds, tmp_path_factory) -> Shared:
     """This module's plain-process runs, in two launches. Between them, each of two caches the first
     launch built is damaged (DAMAGES), and two builds are killed midway (killed_builds); the second
     launch runs on the damaged caches again, on the killed builds' caches, and a second time on the
-    cache of the reuse test."""
+    cache of the reuse test. Each launch starts with a run on 100,000 lines (--seq-len 128, then
+    2,048): a process's peak memory is the most it ever held, so only a first run's is its own."""
     root = tmp_path_factory.mktemp("cache_one_process")
+    lines = root / "lines.txt"
+    lines.write_text("".join(f"line {i} of a corpus that is long enough\n" for i in range(100_000)))
+
+    def memory_run(seq_len: int) -> list[str]:
+        args = [*TINY, "--no-pack", "--seq-len", str(seq_len), "--max-steps", "1", "--val-fraction", "0"]
+        return [*args, "--corpus-file", lines, "--output-dir", root / f"memory_{seq_len}", "--cache-dir", root / "c"]
 
     def damaged_run(damage: str, name: str) -> list[str]:
         return [*TINY, "--max-steps", "2", "--cache-dir", root / f"{damage}_cache", "--output-dir", root / name]
@@ -222,26 +229,18 @@ def one_process(killed_builds, tmp_path_factory) -> Shared:
     def reuse_run(name: str) -> list[str]:
         return [*TINY, "--max-steps", "3", "--output-dir", root / name, "--cache-dir", root / "reuse_cache"]
 
-    first_jobs = {"reuse_1": reuse_run("reuse_1")} | {f"first_{d}": damaged_run(d, f"first_{d}") for d in DAMAGES}
-    first = share(root, first_jobs, nproc=None)
+    first_jobs = {"memory_128": memory_run(128), "reuse_1": reuse_run("reuse_1")}
+    first = share(root, first_jobs | {f"first_{d}": damaged_run(d, f"first_{d}") for d in DAMAGES}, nproc=None)
     for damage, (how, _) in DAMAGES.items():
         (folder,) = (root / f"{damage}_cache").iterdir()
         stream = folder / "stream.bin"
         stream.write_bytes(how(stream.read_bytes()))
     again = {f"again_{damage}": [*damaged_run(damage, f"again_{damage}"), "--overwrite"] for damage in DAMAGES}
-    later = {
-        f"later_{how.name}": [
-            *killed.args,
-            "--max-steps",
-            "1",
-            "--val-fraction",
-            "0.001",
-            "--output-dir",
-            root / how.name,
-        ]
-        for how, killed in killed_builds.items()
-    }
-    second = share(root, {"reuse_2": reuse_run("reuse_2"), **again, **later}, nproc=None, timeout=480)
+    second_jobs = {"memory_2048": memory_run(2048), "reuse_2": reuse_run("reuse_2"), **again}
+    for how, killed in killed_builds.items():
+        later = ["--max-steps", "1", "--val-fraction", "0.001", "--output-dir", root / how.name]
+        second_jobs[f"later_{how.name}"] = [*killed.args, *later]
+    second = share(root, second_jobs, nproc=None, timeout=480)
     return Shared(first.runs | second.runs, root)
 
 
@@ -389,17 +388,13 @@ def test_token_rows_from_the_cache_are_the_rows_built_in_memory_before_it(
             assert int(rows.target_bytes[r]) == nbytes, r
 
 
-def test_memory_per_rank_does_not_grow_with_seq_len(tmp_path):
+def test_memory_per_rank_does_not_grow_with_seq_len(one_process):
     """100,000 lines at seq 2,048 held padded would take 3.3 GB (inputs and targets, int64)."""
-    path = tmp_path / "lines.txt"
-    path.write_text("".join(f"line {i} of a corpus that is long enough\n" for i in range(100_000)))
     peaks = {}
     for seq_len in (128, 2048):
-        out = tmp_path / f"out{seq_len}"
-        args = [*TINY, "--no-pack", "--seq-len", str(seq_len), "--max-steps", "1", "--val-fraction", "0"]
-        run = launch([*args, "--corpus-file", str(path), "--output-dir", str(out), "--cache-dir", str(tmp_path / "c")])
-        assert_ok(run)
-        peaks[seq_len] = max(rank["peak"] for rank in json.loads((out / "memory.json").read_text()))
+        assert_ok(one_process[f"memory_{seq_len}"])
+        memory = json.loads((one_process.out(f"memory_{seq_len}") / "memory.json").read_text())
+        peaks[seq_len] = max(rank["peak"] for rank in memory)
     assert peaks[2048] < 1.1 * peaks[128], peaks
     assert peaks[2048] < 1 << 30, peaks
 
