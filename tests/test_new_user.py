@@ -32,11 +32,14 @@ def test_the_seed_commands_run_one_after_the_other_into_the_default_outputs(tmp_
     assert len(kept) == 1 and f"moved to {kept[0].relative_to(tmp_path)}" in second.stdout
     assert torch.load(kept[0], weights_only=True)["step"] == 2  # the first run's model, whole
     assert torch.load(tmp_path / "outputs" / "tiny_transformer.pt", weights_only=True)["step"] == 2
-    # One measurement of each rank's peak: the summary's MiB are the memory table's, rounded.
+    # One measurement of each rank's peak: the summary's whole MiB are the memory table's, rounded. (The
+    # table shows two decimals: 431.50 may be 431.496, which the summary rounds to 431.)
     for run in (first, second):
         summary = [int(mib.replace(",", "")) for mib in re.findall(r"rank \d+: ([\d,]+) MiB RSS", run.stdout)]
         table = [float(row.split()[-1].replace(",", "")) for row in run.stdout.split("peak RSS\n")[1].splitlines()]
-        assert summary and summary == [round(mib) for mib in table[: len(summary)]], run.stdout
+        assert summary and len(table) >= len(summary), run.stdout
+        for whole, shown in zip(summary, table, strict=False):
+            assert whole in {round(shown - 0.005), round(shown + 0.005)}, run.stdout
 
 
 def test_the_loss_plot_marks_whole_steps_only():
