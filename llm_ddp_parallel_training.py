@@ -1,7 +1,7 @@
 """Train a causal language model across processes with PyTorch DistributedDataParallel.
 
-One file, two reading depths. Sections 1-7 are the teaching core, the DDP a learner came to read,
-in the order the data flows; after a banner, sections 8-17 make it production-grade:
+One file, two reading depths. Sections 1-8 are the teaching core, the DDP a learner came to read,
+in the order the data flows; after a banner, sections 9-18 make it production-grade:
 
     1. Settings             everything a run is told, in one frozen RunConfig
     2. Ranks                torchrun's environment says who this process is; then the process group
@@ -14,23 +14,24 @@ in the order the data flows; after a banner, sections 8-17 make it production-gr
     6. Train                one loop for every model: forward, backward, sync, clip, step
     7. Sharding             ZeRO-1 and FSDP from scratch, beside torch's ZeroRedundancyOptimizer
                             and fully_shard
+    8. Model splitting      tensor and pipeline parallelism from scratch, beside torch's
     -------------------     a reader who came for DDP may stop here
-    8. Command line         argparse fills the RunConfig, and refuses what cannot run
-    9. Launcher             ranks started without torchrun (--nproc), and meetings with no deadline
-   10. Records              .jsonl schemas, chat templates and assistant-only targets, packing,
+    9. Command line         argparse fills the RunConfig, and refuses what cannot run
+   10. Launcher             ranks started without torchrun (--nproc), and meetings with no deadline
+   11. Records              .jsonl schemas, chat templates and assistant-only targets, packing,
                             the token cache
-   11. Pretrained models    Qwen2.5, Llama, Gemma, Mistral, Phi-3, ... with LoRA; the tiny model's
+   12. Pretrained models    Qwen2.5, Llama, Gemma, Mistral, Phi-3, ... with LoRA; the tiny model's
                             size check
-   12. Reports and checks   how gradients travel, the whole state from shards, --inspect,
+   13. Reports and checks   how gradients travel, the whole state from shards, --inspect,
                             --verify-sync
-   13. Timeline             every rank's first --trace-steps steps on one clock, as a trace file
+   14. Timeline             every rank's first --trace-steps steps on one clock, as a trace file
                             and a picture
-   14. Step side work       warmup, precision, faults on purpose, the step's side work, stop requests
-   15. Evaluate and report  held-out loss, progress, metrics, MFU, the loss plot, the memory table,
+   15. Step side work       warmup, precision, faults on purpose, the step's side work, stop requests
+   16. Evaluate and report  held-out loss, progress, metrics, MFU, the loss plot, the memory table,
                             summary
-   16. Save                 rank 0 writes while the others wait for it; locks, checkpoints and
+   17. Save                 rank 0 writes while the others wait for it; locks, checkpoints and
                             resume, stop markers
-   17. Main                 launch -> connect -> shard -> train -> sync -> save -> sample, and one
+   18. Main                 launch -> connect -> shard -> train -> sync -> save -> sample, and one
                             clear exit on every path
 
 Run it as one plain process, under torchrun on one or many machines, or let it start its own ranks:
@@ -205,7 +206,7 @@ PRETRAINED_GROUP = "pretrained model (--model hf)"
 @dataclass(frozen=True)
 class RunConfig:
     """Every setting of one run, fixed for its whole life and the same on every rank. Each field is
-    a flag (--seq-len for seq_len); parse_args (section 8) fills them from the command line. A
+    a flag (--seq-len for seq_len); parse_args (section 9) fills them from the command line. A
     default of None is decided once the rest is known, as its help says."""
 
     model: str = flag("tiny", "tiny: a byte-level Transformer from scratch; hf: a pretrained causal LM from the "
@@ -303,6 +304,15 @@ class RunConfig:
                                           "(default), raise, nan, desync, save or hang", type=FaultPlan.parse,
                                           metavar="RANK:STEP[:KIND]")  # fmt: skip
 
+    tp: int = flag(1, "tensor parallelism: every block's matrices split across groups of N ranks (Megatron's "
+                   "layout); the data-parallel degree is the world size / (tp x pp)", "model splitting",
+                   type=POSITIVE, metavar="N")  # fmt: skip
+    pp: int = flag(1, "pipeline parallelism: the model cut into N stages of whole blocks, the micro-batches of "
+                   "--grad-accum-steps flowing through them", type=POSITIVE, metavar="N")  # fmt: skip
+    pp_schedule: str = flag("1f1b", "gpipe: every micro-batch forward, then every backward; 1f1b: one forward, one "
+                            "backward, as soon as they can (less activation memory)",
+                            choices=["gpipe", "1f1b"])  # fmt: skip
+
     save_every: int = flag(0, "full training state every N steps and at the end (0: off)", "checkpoints and resume",
                            type=COUNT, metavar="N")  # fmt: skip
     keep_last: int = flag(2, "how many checkpoints to keep", type=POSITIVE, metavar="K")
@@ -340,7 +350,12 @@ class Dist:
     why: str  # the reason for the backend/device choice, printed at start
     control: dist.ProcessGroup | None = None  # Gloo group for host numbers under NCCL (None: the default group)
     store: dist.Store | None = None  # the rendezvous key-value store the ranks met in
-    launch: str | None = None  # this torchrun launch, the same in all its restarts (launch_token, section 9)
+    launch: str | None = None  # this torchrun launch, the same in all its restarts (launch_token, section 10)
+    # Model splitting (section 8) lays the ranks out as a grid: dp replicas x pp stages x tp slices,
+    # rank = (dp_rank x pp + pp_rank) x tp + tp_rank, so a tensor-parallel group is neighbouring ranks.
+    tp: int = 1
+    pp: int = 1
+    mesh: object | None = None  # the grid as torch's DeviceMesh, whose groups both splits use; None: no split
 
     @classmethod
     def from_process_group(cls) -> Dist:
@@ -367,6 +382,27 @@ class Dist:
     @property
     def distributed(self) -> bool:
         return self.backend is not None
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas: ranks holding (and splitting) the same model see different data."""
+        return self.world_size // (self.tp * self.pp)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // (self.tp * self.pp)
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.tp % self.pp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    def group(self, dim: str) -> dist.ProcessGroup | None:
+        """The ranks that share this rank's place along one dimension of the grid ("dp", "pp", "tp")."""
+        return self.mesh.get_group(dim) if self.mesh is not None else None
 
 
 def launched_by_torchrun() -> bool:
@@ -405,7 +441,7 @@ def setup_distributed(cfg: RunConfig) -> Dist:
         use_cuda = torch.cuda.is_available() and not cfg.cpu
         device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
         return Dist(0, 0, 1, 1, device, None, "not launched by torchrun: one process, no process group")
-    rank, world, local_rank, local_world = rank_facts_from_env()  # checked (section 9)
+    rank, world, local_rank, local_world = rank_facts_from_env()  # checked (section 10)
     backend, device, why = choose_backend_and_device(cfg, local_rank, local_world)
     if "TORCHELASTIC_RUN_ID" not in os.environ and local_rank == 0:  # a hand-made launch: say what it waits for
         where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
@@ -416,7 +452,7 @@ def setup_distributed(cfg: RunConfig) -> Dist:
     # instead of hanging it.
     timeout = timedelta(seconds=cfg.timeout_s)
     try:
-        # torchrun's agent already hosts a key-value store the ranks can meet in (section 9); without
+        # torchrun's agent already hosts a key-value store the ranks can meet in (section 10); without
         # one (None), init_process_group builds its own from MASTER_ADDR and MASTER_PORT.
         agent_store, launch = rendezvous_store(timeout)
         dist.init_process_group(
@@ -436,7 +472,20 @@ def setup_distributed(cfg: RunConfig) -> Dist:
     control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
     # Without torchrun's agent store, torch built one from MASTER_ADDR/PORT: take that one.
     store = agent_store or dist.distributed_c10d._get_default_store()
-    return Dist(rank, local_rank, world, local_world, device, backend, why, control, store, launch)
+    return laid_out(Dist(rank, local_rank, world, local_world, device, backend, why, control, store, launch), cfg)
+
+
+def laid_out(d: Dist, cfg: RunConfig) -> Dist:
+    """The ranks as a grid of dp replicas x pp stages x tp slices (section 8), when the model is split."""
+    if cfg.tp * cfg.pp == 1 or not d.distributed:
+        return d
+    if d.world_size % (cfg.tp * cfg.pp):
+        raise UsageError(f"--tp {cfg.tp} x --pp {cfg.pp} does not divide the {d.world_size} ranks into replicas")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (d.world_size // (cfg.tp * cfg.pp), cfg.pp, cfg.tp)
+    mesh = init_device_mesh(d.device.type, shape, mesh_dim_names=("dp", "pp", "tp"))
+    return replace(d, tp=cfg.tp, pp=cfg.pp, mesh=mesh)
 
 
 def teardown_distributed() -> None:
@@ -468,10 +517,10 @@ def all_reduce_sum(d: Dist, values: list[float]) -> list[float]:
 
 class Rows(Dataset):
     """Training examples made one row at a time, when a batch asks for it, from flat arrays of
-    tokens (read from the token cache, section 10, as batches ask): nothing is ever held padded to
+    tokens (read from the token cache, section 11, as batches ask): nothing is ever held padded to
     seq_len, so memory does not grow with seq_len x examples. Row i is (inputs, targets[,
     positions]), each of seq_len tokens; trim_padding then cuts the batch to its longest row. The
-    byte model's rows are ShiftingWindows and ByteWindows, a pretrained model's TokenRows (section 10)."""
+    byte model's rows are ShiftingWindows and ByteWindows, a pretrained model's TokenRows (section 11)."""
 
     def set_epoch(self, epoch: int) -> None:
         """Fixed rows: only the sampler's order changes between epochs."""
@@ -531,7 +580,7 @@ def collate_for(cfg: RunConfig) -> Callable[[list], tuple[torch.Tensor, ...]]:
     """How a micro-batch is stacked. Under sdpa and eager, packed rows stay rows: transformers builds
     each row a block-diagonal causal mask from its position_ids, and one long row would make that
     mask (and attention's work) grow with the square of the whole micro-batch. (flash_attention_2
-    needs one row per micro-batch: flatten_rows, section 10.)"""
+    needs one row per micro-batch: flatten_rows, section 11.)"""
     flash = cfg.model == "hf" and cfg.pack and cfg.attn_implementation.startswith("flash_attention")
     return flatten_rows if flash else trim_padding
 
@@ -552,13 +601,14 @@ def make_train_loader(dataset: Dataset, cfg: RunConfig, d: Dist) -> tuple[DataLo
     # world_size-th index starting at its rank: disjoint shards that together cover the data.
     # drop_last trims the permutation to a multiple of world_size instead of padding it with
     # repeats, so no example is trained twice in an epoch.
-    sampler = LeanDistributedSampler(
-        dataset, num_replicas=d.world_size, rank=d.rank, shuffle=True, seed=cfg.seed, drop_last=True
-    )
+    # (Under model splitting the ranks of one replica, its tensor slices and pipeline stages, all read
+    # the replica's shard: the data is split across replicas, not across ranks.)
+    sampler = LeanDistributedSampler(dataset, num_replicas=d.dp, rank=d.dp_rank, shuffle=True, seed=cfg.seed,
+                                     drop_last=True)  # fmt: skip
     per_step = cfg.batch_size * cfg.grad_accum_steps
     if len(sampler) < per_step:
         raise UsageError(
-            f"corpus too small: {len(dataset)} examples give each of {d.world_size} rank(s) "
+            f"corpus too small: {len(dataset)} examples give each of {d.dp} data-parallel rank(s) "
             f"{len(sampler)} per epoch, fewer than one step's {per_step} (--batch-size x --grad-accum-steps); "
             "use a larger corpus, smaller batches or fewer ranks"
         )
@@ -617,17 +667,18 @@ class TinyConfig:
 class CausalSelfAttention(nn.Module):
     def __init__(self, c: TinyConfig) -> None:
         super().__init__()
-        self.n_heads, self.dropout = c.n_heads, c.dropout
+        self.head_dim, self.dropout = c.d_model // c.n_heads, c.dropout
         self.qkv = nn.Linear(c.d_model, 3 * c.d_model, bias=False)
         self.proj = nn.Linear(c.d_model, c.d_model, bias=False)
+        self.own_dropout = contextlib.nullcontext  # tensor parallelism (section 8): its own heads, its own mask
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
-        # is_causal masks every position j > i: a token never sees the bytes it must predict.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+        b, t, _ = x.shape
+        # As many heads as qkv gives: all of them, or under tensor parallelism this rank's share.
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in self.qkv(x).chunk(3, dim=2))
+        with self.own_dropout():  # is_causal masks every j > i: a token never sees the bytes it must predict
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class Block(nn.Module):
@@ -662,13 +713,14 @@ class TinyTransformer(nn.Module):
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        t = ids.shape[1]
-        pos = torch.arange(t, device=ids.device)
-        x = self.drop(self.tok_emb(ids) + self.pos_emb(pos))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # A pipeline stage (section 8) is this model with the other stages' parts taken out: only the
+        # first embeds token ids, only the last ends in the head; the others pass hidden states on.
+        if self.tok_emb is not None:
+            x = self.drop(self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device)))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        return self.head(self.ln_f(x)) if self.head is not None else x
 
 
 def load_tiny_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> TinyTransformer:
@@ -714,7 +766,7 @@ class ModelKit:
     flops_per_token: float  # training FLOPs per token, for MFU
     describe: str
     data_report: str = ""  # what became of the records on the way to examples
-    loss_module: nn.Module | None = None  # what DDP wraps and `loss` runs, if not the model (LeanHeadLoss, section 11)
+    loss_module: nn.Module | None = None  # what DDP wraps and `loss` runs, if not the model (LeanHeadLoss, section 12)
     blocks: list[nn.Module] = field(default_factory=list)  # the Transformer blocks: FSDP's units
     reload: Callable[[Path], nn.Module] | None = None  # save_final's output read back, as a plain model
 
@@ -732,7 +784,7 @@ def build_tiny_kit(cfg: RunConfig, d: Dist, lines: Lines, val_lines: Lines) -> M
     config = TinyConfig(
         seq_len=cfg.seq_len, d_model=cfg.d_model, n_heads=cfg.n_heads, n_layers=cfg.n_layers, dropout=cfg.dropout
     )
-    check_model_fits(tiny_parameter_count(config), d)  # a clear refusal, not an allocation error (section 11)
+    check_model_fits(tiny_parameter_count(config), d)  # a clear refusal, not an allocation error (section 12)
     # Same seed on every rank: the replicas start identical. (DDP would also broadcast rank
     # 0's weights when it wraps the model, but equal seeds make single-process runs match.)
     torch.manual_seed(cfg.seed)
@@ -776,8 +828,8 @@ class CommStats:
     micro-steps send nothing.
     """
 
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], compress: bool) -> None:
-        self.name_of = {id(p): name for name, p in named_params}
+    def __init__(self, model: nn.Module, compress: bool) -> None:
+        self.name_of = {id(p): name for name, p in model.named_parameters()}
         self.compress = compress  # --grad-compression bf16: send bf16, half the bytes
         self.calls = 0
         self.bytes = 0
@@ -816,47 +868,70 @@ class CommStats:
 class Replicas:
     """What a model wrapper answers for the rest of the script, which never asks what kind of model
     it holds: here, as every rank holding all the weights answers (one process, DDP, ZeRO-1's
-    weights). The sharded wrappers of section 7 answer otherwise; the work is in section 12."""
+    weights), or its slice of them under tensor parallelism (`split`, section 8). The sharded
+    wrappers of section 7 and the pipeline of section 8 answer otherwise; the work is in section 13."""
 
     gathers_in_forward = False  # a forward is a collective every rank must join (FSDP)
+    split: WholeModel  # how the model is split across the ranks of one replica (section 8)
+
+    def forward_backward(self, micro_batches: list[tuple], scales: list[float], micro: MicroStep) -> torch.Tensor:
+        """The step's micro-batches through forward and backward; returns their loss, summed. The
+        first k-1 run inside no_sync(): gradients accumulate in .grad with no communication; the
+        last one's backward all-reduces the sum, bucket by bucket, while backward still runs."""
+        loss_sum = torch.zeros((), device=micro.device)
+        for i, batch in enumerate(micro_batches):
+            with self.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
+                micro_loss = micro.forward(self, batch)
+                micro.backward(micro_loss * scales[i])
+            loss_sum += micro_loss.detach()
+        return loss_sum * self.split.loss_share  # under tensor parallelism every slice computed this loss
 
     def finish_gradient_sync(self) -> None:
         """Wait for the gradient sync: torch's DDP already did, inside backward()."""
 
+    def eval_loss(self, kit: ModelKit, batch: tuple) -> torch.Tensor:
+        """A held-out batch's loss sum, through the unwrapped model: no DDP hooks, no collective of DDP's."""
+        return kit.loss(kit.trained, *batch)
+
     def clip_gradients(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
         """The norm of the whole synchronised gradient, identical on every rank; clipped to max_norm
         when set. Identical norms clip identically: the replicas stay identical."""
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        if max_norm:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        return norm
+        return self.split.clip_gradients(params, max_norm)
 
     def rank0_state(self, d: Dist, named_params: list, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
         """The trained weights and the optimizer state, whole, on rank 0 ({} elsewhere): a collective."""
-        return {n: p.detach().cpu() for n, p in named_params} if d.is_main else {}, rank0_optimizer_state(d, optimizer)
+        weights = {n: self.split.whole(n, p) for n, p in named_params}
+        state = rank0_optimizer_state(d, optimizer, named_params, self.split.whole)
+        return (to_cpu(weights), state) if d.is_main else ({}, {})
 
     def load_state(self, named_params: list, weights: dict, optimizer: torch.optim.Optimizer, state: dict) -> None:
         """Take a whole state, from a checkpoint of any layout: each rank keeps what it holds."""
         with torch.no_grad():
             for name, p in named_params:
-                p.copy_(weights[name])
-        load_optimizer_state(optimizer, state)
+                local_part(p).copy_(self.split.part(name, weights[name]))
+        moments = {i: {k: self.split.part(named_params[i][0], v, named_params[i][1]) for k, v in s.items()}
+                   for i, s in state["state"].items()}  # fmt: skip
+        load_optimizer_state(optimizer, {**state, "state": moments})
 
     def whole_state_dict(self, d: Dist, raw: nn.Module) -> dict | None:
         """raw.state_dict() whole on rank 0, for the final save (a collective); None: rank 0 holds it."""
-        return None
+        return self.split.whole_state_dict(d, raw)
 
     def replicated(self, named_params: list, optimizer: torch.optim.Optimizer | None = None) -> list:
         """(name, tensor) that every rank must hold bit for bit (--verify-sync): the averaged gradients,
-        or, given the optimizer, the weights and its state (a ZeRO-1 rank holds its own share only)."""
+        or, given the optimizer, the weights and its state (a ZeRO-1 rank holds its own share only).
+        Under tensor parallelism only what no rank holds a slice of: the rest differs by design."""
+        alike = [(n, p) for n, p in named_params if not self.split.sliced(n)]
         if optimizer is None:
-            return [(f"grad of {n}", p.grad) for n, p in named_params if p.grad is not None]
-        state = [] if holds_a_share(optimizer) else optimizer_state_tensors(named_params, optimizer)
-        return [(n, p.detach()) for n, p in named_params] + [(name, t) for name, _, t in state]
+            return [(f"grad of {n}", p.grad) for n, p in alike if p.grad is not None]
+        state = [] if holds_a_share(optimizer) else optimizer_state_tensors(alike, optimizer)
+        return [(n, p.detach()) for n, p in alike] + [(name, t) for name, _, t in state]
 
     def ownership(self, named_params: list, optimizer: torch.optim.Optimizer) -> list[str]:
         """What this rank alone keeps (--inspect): under ZeRO-1, whose optimizer state."""
-        return describe_optimizer_share(named_params, optimizer) if holds_a_share(optimizer) else []
+        if holds_a_share(optimizer):
+            return describe_optimizer_share(named_params, optimizer)
+        return self.split.ownership(named_params)
 
     def gradient_buffers(self) -> list[torch.Tensor]:
         """Gradient memory beyond the parameters' .grad (the memory table)."""
@@ -869,14 +944,16 @@ class Replicas:
 class TorchDDP(DDP, Replicas):
     """torch's DistributedDataParallel, answering as every replicated model does."""
 
+    split: WholeModel | None = None  # set by wrap_model
+
 
 class Wrapper(Replicas, nn.Module):
     """The wrapped module and no_sync() for accumulation: the from-scratch wrappers' base, and on
     its own one plain process's, which has nothing to synchronise."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, split: WholeModel | None = None) -> None:
         super().__init__()
-        self.module = module
+        self.module, self.split = module, split or WholeModel()
         self.require_sync = True  # False inside no_sync(): gradients accumulate, nothing travels
 
     @contextlib.contextmanager
@@ -891,16 +968,18 @@ class Wrapper(Replicas, nn.Module):
         return self.module(*args, **kwargs)
 
 
-def wrap_data_parallel(model: nn.Module, cfg: RunConfig, d: Dist, stats: CommStats) -> nn.Module:
-    if not d.distributed:
-        return Wrapper(model)  # one plain process: nothing to synchronise
+def wrap_data_parallel(model: nn.Module, cfg: RunConfig, d: Dist, stats: CommStats,
+                       split: WholeModel | None = None) -> nn.Module:  # fmt: skip
+    if not d.distributed or (split and d.dp == 1):
+        return Wrapper(model, split)  # one plain process, or one model split over every rank: nothing to average
     if cfg.ddp == "manual":
-        return ManualDDP(model, d, cfg.bucket_mb, stats)
+        return ManualDDP(model, d, cfg.bucket_mb, stats, split)
     # torch's DDP broadcasts rank 0's parameters to all ranks now, then hooks every parameter:
     # during backward, finished gradients fill buckets that are all-reduced (averaged) while the
     # rest of backward still runs, so every rank ends the step with the same gradient.
     ddp = TorchDDP(
         model,
+        process_group=d.group("dp"),  # under model splitting: the replicas of this rank's slice
         device_ids=[d.device.index] if d.device.type == "cuda" else None,
         bucket_cap_mb=cfg.bucket_mb,
         # After the first backward .grad *is* a view into its bucket: backward accumulates into
@@ -912,6 +991,7 @@ def wrap_data_parallel(model: nn.Module, cfg: RunConfig, d: Dist, stats: CommSta
         **no_buffer_sync_before_forward(),
     )
     ddp.register_comm_hook(stats, counting_allreduce_hook)
+    ddp.split = split or WholeModel()
     return ddp
 
 
@@ -962,14 +1042,16 @@ class ManualDDP(Wrapper):
        communication overlaps the rest of backward.
     4. finish_gradient_sync(): wait for every bucket, divide the sums by the world size, copy
        the averages back into .grad. Now every rank holds the same gradient.
+    Under model splitting (section 8) the replicas are the ranks of the data-parallel group.
     """
 
-    def __init__(self, module: nn.Module, d: Dist, bucket_mb: float, stats: CommStats) -> None:
-        super().__init__(module)
-        self.world_size, self.stats = d.world_size, stats
+    def __init__(self, module: nn.Module, d: Dist, bucket_mb: float, stats: CommStats,
+                 split: WholeModel | None = None) -> None:  # fmt: skip
+        super().__init__(module, split)
+        self.world_size, self.stats, self.group = d.dp, stats, d.group("dp")
         with torch.no_grad():
             for t in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(t, src=0)
+                dist.broadcast(t, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
         self.buckets: list[Bucket] = []
         self.place: dict[nn.Parameter, tuple[Bucket, int]] = {}
         cap = bucket_mb * 2**20
@@ -1011,7 +1093,7 @@ class ManualDDP(Wrapper):
             bucket.wire = bucket.flat.to(torch.bfloat16) if self.stats.compress else bucket.flat
             nbytes = bucket.wire.numel() * bucket.wire.element_size()
             self.stats.record(bucket.index, nbytes, bucket.params, local)
-            work = dist.all_reduce(bucket.wire, async_op=True)
+            work = dist.all_reduce(bucket.wire, async_op=True, group=self.group)
             bucket.arrival = self.stats.traced(work.get_future(), bucket.index, nbytes, bucket.wire.dtype)
 
     def finish_gradient_sync(self) -> None:
@@ -1048,13 +1130,37 @@ def loss_scale(cfg: RunConfig, d: Dist, micro_tokens: int, global_tokens: float)
 
     global-tokens: world_size / global_tokens. DDP averages (divides by world_size), so the
       gradient is exactly that of sum(every token loss) / global_tokens: the mean over every
-      target token of the global batch, whatever the split across ranks and micro-steps.
+      target token of the global batch, whatever the split across ranks and micro-steps. (Under
+      model splitting DDP averages over the data-parallel replicas only: d.dp, not world_size.)
     mean-of-means: 1 / (micro_tokens * k). Each micro-batch's own mean, averaged over micro-steps
       and then over ranks: a token in a short micro-batch weighs more than one in a long one.
     """
     if cfg.loss_normalization == "global-tokens":
-        return d.world_size / global_tokens
+        return d.dp / global_tokens
     return 1.0 / (micro_tokens * cfg.grad_accum_steps)
+
+
+@dataclass
+class MicroStep:
+    """One micro-batch's forward and backward, as every layout runs them (forward_backward): under
+    autocast, the loss as the model kit computes it, backward through fp16's GradScaler when there
+    is one, each phase marked for the timers (section 15)."""
+
+    kit: ModelKit
+    precision: str
+    scaler: torch.amp.GradScaler | None
+    side: SideWork
+    device: torch.device
+
+    def forward(self, model: nn.Module, batch: tuple) -> torch.Tensor:
+        with autocast_for(self.precision, self.device):
+            loss = self.side.loss(self.kit.loss(model, *batch))  # a NaN here under --inject-fault R:S:nan
+        self.side.mark("forward")
+        return loss
+
+    def backward(self, scaled: torch.Tensor) -> None:
+        (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+        self.side.mark("backward")
 
 
 def lr_at(cfg: RunConfig, step: int) -> float:
@@ -1063,7 +1169,7 @@ def lr_at(cfg: RunConfig, step: int) -> float:
 
     A pure function of the step, identical on every rank, so it needs no saved state.
     """
-    warmup = warmup_steps(cfg)  # --warmup-steps, or a tenth of the run if it is over half of it (section 14)
+    warmup = warmup_steps(cfg)  # --warmup-steps, or a tenth of the run if it is over half of it (section 15)
     if step <= warmup:
         return cfg.lr * step / warmup
     peak = max(warmup, 1)  # the step that trains at the full rate, where the decay starts
@@ -1146,17 +1252,19 @@ class TrainResult:
 def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings: dict) -> TrainResult:
     """The loop: each rank's slice, one small all-reduce before backward, k-1 micro-steps in no_sync,
     backward (the bucket all-reduces), finish_gradient_sync, clip, step. Around it, at fixed points,
-    the side work of section 14 (timers, faults, checks), the reports of 15, the checkpoints of 16."""
+    the side work of section 15 (timers, faults, checks), the reports of 16, the checkpoints of 17."""
     loader, sampler = make_train_loader(kit.train, cfg, d)
-    stats = CommStats(trainable_parameters(kit.model), compress=cfg.grad_compression == "bf16")
+    split = split_model(kit, cfg, d)  # tensor parallelism (section 8) makes new parameters: before any hook
+    stats = CommStats(kit.model, compress=cfg.grad_compression == "bf16")
     side = SideWork(cfg, d, kit, stats, resume["progress"]["step"] if resume else 0)  # its hooks run first
-    model = wrap_model(kit, cfg, d, stats)
+    model = wrap_model(kit, cfg, d, stats, split)
     named_params = trainable_parameters(kit.model)  # again: torch's fully_shard replaces every parameter
     params = [p for _, p in named_params]
     optimizer = make_optimizer(cfg, d, params)
     precision = choose_precision(cfg, d)
     # fp16 needs loss scaling: small gradients would underflow to zero. bf16 has fp32's range.
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+    micro = MicroStep(kit, precision, scaler, side, d.device)
     progress = resume_training(resume, model, named_params, optimizer, scaler, d) if resume else Progress()
     k, steps_per_epoch = cfg.grad_accum_steps, len(loader) // cfg.grad_accum_steps
     announce_run(cfg, d, sampler, steps_per_epoch, precision, model, optimizer, named_params)
@@ -1176,7 +1284,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
         # One small all-reduce before any backward carries the facts every rank must share: the
         # global token count the loss divides by, whether any rank was asked to stop (STOP, section
         # 14), and whether rank 0's last metrics write failed.
-        asked = [sum(micro_tokens), STOP.signal is not None, reporter.failure is not None]
+        asked = [sum(micro_tokens) * model.split.loss_share, STOP.signal is not None, reporter.failure is not None]
         global_tokens, stop_votes, failed = all_reduce_sum(d, asked)
         if failed:
             reporter.share_failure()
@@ -1185,18 +1293,10 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
             break
         side.mark("sync")
         lr = set_learning_rate(optimizer, lr_at(cfg, step))
-        loss_sum = torch.zeros((), device=d.device)
-        for i, (inputs, targets, *positions) in enumerate(micro_batches):
-            # The first k-1 micro-steps run forward *and* backward inside no_sync(): gradients
-            # accumulate in .grad with no communication; the last one all-reduces the sum.
-            with model.no_sync() if i < k - 1 else contextlib.nullcontext():
-                with autocast_for(precision, d):
-                    micro_loss = side.loss(kit.loss(model, inputs, targets, *positions))
-                side.mark("forward")
-                scaled = micro_loss * loss_scale(cfg, d, micro_tokens[i], global_tokens)
-                (scaler.scale(scaled) if scaler else scaled).backward()
-                side.mark("backward")
-            loss_sum += micro_loss.detach()
+        # Forward and backward for each micro-batch (section 5: k-1 of them inside no_sync(), the
+        # last one's backward all-reducing the sum), or through a pipeline's schedule (section 8).
+        scales = [loss_scale(cfg, d, n, global_tokens) for n in micro_tokens]
+        loss_sum = model.forward_backward(micro_batches, scales, micro)
         model.finish_gradient_sync()
         sent = stats.end_step()
         # Each rank's loss covers its own shard; the sum over ranks, divided by the global
@@ -1698,8 +1798,8 @@ class TorchFSDP(Wrapper):
 
     gathers_in_forward = True
 
-    def __init__(self, root: nn.Module, named: nn.Module) -> None:
-        super().__init__(root)
+    def __init__(self, root: nn.Module, named: nn.Module, split: WholeModel | None = None) -> None:
+        super().__init__(root, split)
         self.named = named  # the module whose parameter names a checkpoint uses (the root may wrap it)
 
     @contextlib.contextmanager
@@ -1712,6 +1812,8 @@ class TorchFSDP(Wrapper):
             self.module.set_requires_gradient_sync(True)
 
     def clip_gradients(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        if isinstance(self.split, TensorParallel):  # slices and whole tensors on two meshes: summed by hand
+            return self.split.clip_gradients(params, max_norm, dp_sharded=self.gathers_in_forward)
         return super().clip_gradients(params, max_norm).full_tensor()  # torch summed the shards' squares
 
     def full_state(self, model: nn.Module, rank0: bool, trainable: bool = False) -> dict[str, torch.Tensor]:
@@ -1719,7 +1821,12 @@ class TorchFSDP(Wrapper):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=rank0, ignore_frozen_params=trainable)
-        return get_model_state_dict(model, options=options)
+        state = get_model_state_dict(model, options=options)
+        return {n: self.model_order(n, t) for n, t in state.items()}
+
+    def model_order(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """Under tensor parallelism torch's whole q, k, v weight is in rank order: back in the model's."""
+        return self.split.to_model_order(name, t) if isinstance(self.split, TensorParallel) else t
 
     def whole_optimizer_state(self, optimizer: torch.optim.Optimizer, names: list[str], rank0: bool) -> dict:
         """The optimizer's state whole, as a plain optimizer's state_dict() numbers its parameters."""
@@ -1727,7 +1834,11 @@ class TorchFSDP(Wrapper):
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=rank0)
         state = get_optimizer_state_dict(self.named, optimizer, options=options)
-        return renumber(state, number(names)) if state else {}  # with cpu_offload, only rank 0 gets it
+        if not state:  # with cpu_offload, only rank 0 gets it
+            return {}
+        moments = {n: {k: self.model_order(n, v) if torch.is_tensor(v) and v.dim() else v for k, v in s.items()}
+                   for n, s in state["state"].items()}  # fmt: skip
+        return renumber({**state, "state": moments}, number(names))
 
     def rank0_state(self, d: Dist, named_params: list, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
         names = [n for n, _ in named_params]
@@ -1738,6 +1849,12 @@ class TorchFSDP(Wrapper):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         by_name = renumber(state, dict(enumerate(n for n, _ in named_params)))
+        if isinstance(self.split, TensorParallel):  # torch's q, k, v slices are taken from a rank-ordered whole
+            fused = {n for n, (_, parts) in self.split.cuts.items() if parts == 3}
+            order = functools.partial(rank_order, parts=3, n=self.split.n)
+            weights = {n: order(t) if n in fused else t for n, t in weights.items()}
+            by_name["state"] = {n: {k: order(v) if n in fused and torch.is_tensor(v) and v.dim() else v
+                                    for k, v in s.items()} for n, s in by_name["state"].items()}  # fmt: skip
         options = StateDictOptions(full_state_dict=True, strict=False)  # LoRA: the adapters alone
         set_state_dict(self.named, optimizer, model_state_dict=weights, optim_state_dict=by_name, options=options)
 
@@ -1779,6 +1896,14 @@ def number(names: list[str]) -> dict[str, int]:
     return {name: i for i, name in enumerate(names)}
 
 
+class TorchReplicated(TorchFSDP):
+    """torch's data parallelism for a tensor-parallel model: its DDP takes no DTensor parameter, and
+    torch's replicate (FSDP's machinery, the weights kept whole along the replicas) does. It answers
+    as fully_shard's wrapper does, but no forward gathers anything."""
+
+    gathers_in_forward = False
+
+
 def renumber(state: dict, key: dict) -> dict:
     """An optimizer state_dict with its parameters renamed by `key`: torch's distributed state dicts
     name them, a plain optimizer numbers them (in the order its parameters were given)."""
@@ -1786,9 +1911,10 @@ def renumber(state: dict, key: dict) -> dict:
     return {"state": {key[q]: s for q, s in state["state"].items()}, "param_groups": groups}
 
 
-def shard_fully(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats) -> Wrapper:
+def shard_fully(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats, split: WholeModel | None = None) -> Wrapper:
     """FSDP units: each Transformer block, then the rest (embeddings, final norm, head) as the root
-    unit. Tied embedding and head weights are one tensor, so they must share a unit: the root."""
+    unit. Tied embedding and head weights are one tensor, so they must share a unit: the root.
+    Under tensor parallelism (torch's 2-D recipe) the slices are sharded along the replicas."""
     units = [*kit.blocks, kit.trained]
     if cfg.ddp == "manual":
         return ManualFSDP(kit.trained, d, units, timeline=stats.timeline)
@@ -1797,20 +1923,459 @@ def shard_fully(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats) -> Wra
 
     # A device mesh says which ranks share the shards: here all of them, on this device type
     # (given explicitly: on a CPU, fully_shard would otherwise look for a GPU).
-    mesh = init_device_mesh(d.device.type, (d.world_size,))
+    mesh = d.mesh["dp"] if d.mesh is not None else init_device_mesh(d.device.type, (d.world_size,))
     for unit in units:  # inner units first: each takes its own parameters, the root what is left
         fully_shard(unit, mesh=mesh)
     # FSDP2 warns that a unit returned a view, which an in-place op could detach from its
     # all-gather; this script never modifies a model's output in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-    return TorchFSDP(kit.trained, kit.model)
+    return TorchFSDP(kit.trained, kit.model, split)
 
 
-def wrap_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats) -> Wrapper | TorchDDP:
-    """The model as every rank trains it: replicated (DDP, section 5) or sharded (FSDP, here)."""
+# ----------------------------------------------------------------------------------------------
+# 8. Model splitting: tensor and pipeline parallelism from scratch, beside torch's
+# ----------------------------------------------------------------------------------------------
+
+
+# Sharding (section 7) still computes every layer whole on every rank: it only stores less. Model
+# splitting computes less on each rank. Tensor parallelism (Shoeybi et al. 2019, Megatron-LM) cuts
+# each block's matrices across a group of ranks, so every rank computes a slice of every block;
+# pipeline parallelism (Huang et al. 2019, GPipe; Narayanan et al. 2019, 1F1B) gives each rank a run
+# of whole blocks, and the micro-batches flow from stage to stage. torch ships both
+# (parallelize_module, torch.distributed.pipelining); here is each from scratch, beside them.
+
+
+class WholeModel:
+    """How one replica's model lies across its ranks: whole on each, as without model splitting.
+    The wrappers (section 5) ask their split what to gather, cut, count and clip."""
+
+    loss_share = 1.0  # how much of this rank's loss counts in the global sum
+
+    def sliced(self, name: str) -> bool:
+        return False  # whether this rank holds only a slice of parameter `name`
+
+    def whole(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """Parameter `name` (or its Adam moment) whole, from this rank's piece: a collective when sliced."""
+        return t.detach()
+
+    def part(self, name: str, value: object, like: torch.Tensor | None = None) -> object:
+        """This rank's piece of a whole value of parameter `name` (shaped as `like`, when given)."""
+        return value
+
+    def clip_gradients(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        if max_norm:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
+
+    def whole_state_dict(self, d: Dist, raw: nn.Module) -> dict | None:
+        return None  # rank 0's own model is whole
+
+    def ownership(self, named_params: list) -> list[str]:
+        return []
+
+
+class CopyToTensorParallel(torch.autograd.Function):
+    """Megatron's f: the identity in forward (every rank of the group holds the same input), an
+    all-reduce in backward: each rank's slice of the layer sends back its own part of the input's
+    gradient, and the input needs their sum."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ReduceFromTensorParallel(torch.autograd.Function):
+    """Megatron's g: an all-reduce in forward (each rank computed a partial sum of the output), the
+    identity in backward (every partial sum's gradient is the whole output's)."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple:
+        return grad, None
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T, W's rows (y's columns) cut across the group: rank r computes its slice of y with no
+    communication in forward. `parts`: a fused Linear (q, k and v in one weight) is cut as that many
+    blocks, each rank taking its slice of each; cut naively, rank 0 would get q and half of k."""
+
+    def __init__(self, linear: nn.Linear, group: dist.ProcessGroup, parts: int = 1) -> None:
+        super().__init__()
+        n, r = dist.get_world_size(group), dist.get_rank(group)
+        self.group, self.weight = group, nn.Parameter(rank_order(linear.weight.detach(), parts, n).chunk(n)[r].clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(CopyToTensorParallel.apply(x, self.group), self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T, W's columns (x's features) cut across the group: rank r multiplies the slice of x
+    the column-parallel layer before it made, and the partial products are summed."""
+
+    def __init__(self, linear: nn.Linear, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        n, r = dist.get_world_size(group), dist.get_rank(group)
+        self.group, self.weight = group, nn.Parameter(linear.weight.detach().chunk(n, dim=1)[r].clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ReduceFromTensorParallel.apply(F.linear(x, self.weight), self.group)
+
+
+def rank_order(weight: torch.Tensor, parts: int, n: int) -> torch.Tensor:
+    """A fused weight's rows rank by rank, [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]: an even cut in n then
+    gives each rank its slice of every part (for parts=1, the weight as it is)."""
+    return weight.reshape(parts, n, -1, *weight.shape[1:]).transpose(0, 1).reshape(weight.shape)
+
+
+def model_order(weight: torch.Tensor, parts: int, n: int) -> torch.Tensor:
+    """rank_order undone: the weight as the model, and every checkpoint, lays it out."""
+    return weight.reshape(n, parts, -1, *weight.shape[1:]).transpose(0, 1).reshape(weight.shape)
+
+
+@contextlib.contextmanager
+def own_dropout_stream(tp_rank: int) -> Iterator[None]:
+    """Megatron's rule for dropout under tensor parallelism: an activation every rank of the group
+    holds alike (the residual stream) draws the same mask on each, from the same seed; a sliced one
+    (this rank's own attention heads) draws its own. Its seed comes from the shared stream, so the
+    ranks stay in step, and a checkpoint's random state resumes it."""
+    seed = int(torch.randint(2**62, ()))  # the same on every rank of the group
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+        torch.manual_seed(seed + tp_rank)
+        yield
+
+
+class TensorParallel(WholeModel):
+    """Megatron's layout over the tensor-parallel group: in every block q, k, v and the MLP's first
+    Linear cut by output rows (column-parallel), the attention's output projection and the MLP's
+    second Linear by input columns (row-parallel): one all-reduce after each row-parallel Linear in
+    forward, one for each column-parallel input in backward; attention runs this rank's own heads.
+    The embeddings, norms and head stay whole on every rank. --ddp manual swaps in the modules above;
+    --ddp torch gives the same cuts to parallelize_module as ColwiseParallel and RowwiseParallel."""
+
+    def __init__(self, model: nn.Module, d: Dist, manual: bool) -> None:
+        self.group, self.n, self.rank = d.group("tp"), d.tp, d.tp_rank
+        self.loss_share = float(d.tp_rank == 0)  # every slice computed the same loss: one counts it
+        self.cuts: dict[str, tuple[int, int]] = {}  # parameter -> (the dimension cut, fused parts)
+        for i, block in enumerate(model.blocks):
+            self.cuts |= {f"blocks.{i}.attn.qkv.weight": (0, 3), f"blocks.{i}.attn.proj.weight": (1, 1),
+                          f"blocks.{i}.mlp.0.weight": (0, 1), f"blocks.{i}.mlp.2.weight": (1, 1)}  # fmt: skip
+            block.attn.own_dropout = functools.partial(own_dropout_stream, d.tp_rank)
+            if manual:
+                block.attn.qkv = ColumnParallelLinear(block.attn.qkv, self.group, parts=3)
+                block.attn.proj = RowParallelLinear(block.attn.proj, self.group)
+                block.mlp[0], block.mlp[2] = (
+                    ColumnParallelLinear(block.mlp[0], self.group),
+                    RowParallelLinear(block.mlp[2], self.group),
+                )
+                continue
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            with torch.no_grad():  # q, k, v rank by rank, so that torch's even row cut takes three blocks
+                block.attn.qkv.weight.copy_(rank_order(block.attn.qkv.weight, 3, self.n))
+            plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(), "mlp.0": ColwiseParallel(),
+                    "mlp.2": RowwiseParallel()}  # fmt: skip
+            parallelize_module(block, d.mesh["tp"], plan)
+        self.model = model
+
+    def sliced(self, name: str) -> bool:
+        return name in self.cuts
+
+    def to_model_order(self, name: str, whole: torch.Tensor) -> torch.Tensor:
+        return model_order(whole, self.cuts[name][1], self.n) if self.sliced(name) else whole
+
+    def whole(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        if not self.sliced(name):
+            return t.detach()
+        local = local_part(t).detach().contiguous()
+        pieces = [torch.empty_like(local) for _ in range(self.n)]
+        dist.all_gather(pieces, local, group=self.group)
+        return self.to_model_order(name, torch.cat(pieces, dim=self.cuts[name][0]))
+
+    def part(self, name: str, value: object, like: torch.Tensor | None = None) -> object:
+        if not (self.sliced(name) and torch.is_tensor(value) and value.dim()):
+            return value  # whole on every rank, or a 0-d step count
+        dim, parts = self.cuts[name]
+        piece = rank_order(value, parts, self.n).chunk(self.n, dim=dim)[self.rank].clone()
+        if hasattr(like, "device_mesh"):  # torch's: a DTensor cut as the parameter is
+            from torch.distributed.tensor import DTensor
+
+            return DTensor.from_local(piece.to(like.device), like.device_mesh, like.placements)
+        return piece
+
+    def clip_gradients(self, params: list[nn.Parameter], max_norm: float, dp_sharded: bool = False) -> torch.Tensor:
+        """One global norm: the squares of each rank's slices summed over the group, and those of what
+        every rank holds whole counted once (under FSDP's rows, dp_sharded: summed over every rank).
+        The same code for both kinds of tensor parallelism, so that they clip alike to the bit."""
+        sliced = {id(p) for n, p in self.model.named_parameters() if n in self.cuts}  # (data parallelism re-makes them)
+        grads = [(local_part(p.grad), id(p) in sliced) for p in params if p.grad is not None]
+        sliced, whole = (sum((g.float().square().sum() for g, s in grads if s == kind), torch.zeros(()).to(grads[0][0]))
+                         for kind in (True, False))  # fmt: skip
+        if dp_sharded:
+            total = sliced + whole * (self.rank == 0)
+            dist.all_reduce(total)
+        else:
+            dist.all_reduce(sliced, group=self.group)
+            total = sliced + whole
+        norm = total.sqrt()
+        if max_norm:  # a Python float: it multiplies a DTensor and a plain tensor alike
+            coef = min(1.0, max_norm / (float(norm) + 1e-6))
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return norm
+
+    def whole_state_dict(self, d: Dist, raw: nn.Module) -> dict | None:
+        state = {name: self.whole(name, t) for name, t in raw.state_dict(keep_vars=True).items()}
+        return to_cpu(state) if d.is_main else None
+
+    def ownership(self, named_params: list) -> list[str]:
+        lines = []
+        for name, _ in named_params:
+            if self.sliced(name) and len(lines) < 4:
+                dim, parts = self.cuts[name]
+                what = ("rows" if dim == 0 else "columns") + (" of each of q, k and v" if parts == 3 else "")
+                lines.append(f"{name}: slice {self.rank} of {self.n} of its {what}")
+        return [*lines, "... and the embeddings, norms and head whole, as every rank of the group holds them"]
+
+
+class Pipeline(Wrapper):
+    """Pipeline parallelism over the pipeline group: this rank holds one stage, a run of whole
+    blocks (the first stage the embeddings too, the last the final norm and head), and the step's
+    --grad-accum-steps micro-batches flow through the stages, activations forward and their
+    gradients back, so that a pipelined step is exactly the accumulated one. GPipe runs every
+    micro-batch's forward, then every backward; 1F1B, once the pipeline is full, alternates one
+    forward with one backward, so a stage holds at most (stages - its index) micro-batches'
+    activations. The idle time while it fills and drains is the bubble: (S - 1) / (M + S - 1) of
+    the step for S stages and M micro-batches. --ddp manual schedules over isend/irecv; --ddp torch
+    with torch.distributed.pipelining. Under data parallelism the stage's replicas then average
+    their gradients, bucket by bucket, as DDP would."""
+
+    def __init__(self, kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats) -> None:
+        model, n = kit.model, len(kit.model.blocks)
+        self.first, self.last = d.pp_rank == 0, d.pp_rank == d.pp - 1
+        self.owned = range(d.pp_rank * n // d.pp, (d.pp_rank + 1) * n // d.pp)
+        for i in range(n):  # the other stages' parts are taken out: this rank holds only its own
+            if i not in self.owned:
+                model.blocks[i] = nn.Identity()
+        if not self.first:
+            model.tok_emb = model.pos_emb = None
+        if not self.last:
+            model.ln_f = model.head = None
+        super().__init__(model, StageSplit(d, self.last, self.first, self.owned))
+        self.d, self.cfg, self.stats = d, cfg, stats
+        self.group, self.ranks = d.group("pp"), dist.get_process_group_ranks(d.group("pp"))
+        self.sync = ManualDDP(model, d, cfg.bucket_mb, stats, self.split) if d.dp > 1 else None
+        self.schedule = None  # torch's, made at the first step, for that many micro-batches
+
+    def padded(self, batch: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every micro-batch at --seq-len: the stages exchange activations of one shape."""
+        inputs, targets = batch[:2]
+        pad = self.cfg.seq_len - inputs.shape[1]
+        return F.pad(inputs, (0, pad)), F.pad(targets, (0, pad), value=IGNORE_INDEX)
+
+    def forward_backward(self, micro_batches: list[tuple], scales: list[float], micro: MicroStep) -> torch.Tensor:
+        batches = [self.padded(b) for b in micro_batches]
+        with self.sync.no_sync() if self.sync else contextlib.nullcontext():
+            losses = (self.torch_schedule if self.cfg.ddp == "torch" else self.manual_schedule)(batches, scales, micro)
+        return torch.stack(losses).sum() if losses else torch.zeros((), device=self.d.device)
+
+    def manual_schedule(self, batches: list[tuple], scales: list[float], micro: MicroStep) -> list[torch.Tensor]:
+        """GPipe or 1F1B from scratch: a stage receives its input from the one before (the first reads
+        the ids), computes, and sends its output on; backward runs the other way."""
+        inputs, outputs, losses, sent = {}, {}, [], []
+        shape = (*batches[0][0].shape, self.cfg.d_model)
+
+        def forward(m: int) -> None:
+            if self.first:
+                x = batches[m][0]
+            else:
+                x = torch.empty(shape, device=self.d.device)
+                dist.recv(x, self.ranks[self.d.pp_rank - 1], group=self.group)
+                x.requires_grad_()
+            if self.last:
+                loss = micro.forward(self.module, (x, batches[m][1]))
+                losses.append(loss.detach())
+                outputs[m] = loss * scales[m]
+            else:
+                with autocast_for(micro.precision, self.d.device):
+                    outputs[m] = self.module(x)
+                micro.side.mark("forward")
+                sent.append(dist.isend(outputs[m].detach(), self.ranks[self.d.pp_rank + 1], group=self.group))
+            inputs[m] = x
+
+        def backward(m: int) -> None:
+            y, x = outputs.pop(m), inputs.pop(m)
+            if self.last:
+                micro.backward(y)
+            else:
+                grad = torch.empty_like(y)
+                dist.recv(grad, self.ranks[self.d.pp_rank + 1], group=self.group)
+                y.backward(grad)
+                micro.side.mark("backward")
+            if not self.first:
+                sent.append(dist.isend(x.grad, self.ranks[self.d.pp_rank - 1], group=self.group))
+
+        m_count, warmup = (
+            len(batches),
+            len(batches) if self.cfg.pp_schedule == "gpipe" else self.d.pp - self.d.pp_rank - 1,
+        )
+        warmup = min(warmup, m_count)
+        for m in range(warmup):
+            forward(m)
+        for m in range(warmup, m_count):  # 1F1B's steady state: one forward, then one backward
+            forward(m)
+            backward(m - warmup)
+        for m in range(m_count - warmup, m_count):
+            backward(m)
+        for work in sent:
+            work.wait()
+        return losses
+
+    def torch_schedule(self, batches: list[tuple], scales: list[float], micro: MicroStep) -> list[torch.Tensor]:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        # A micro-batch's scale from its own target count (the same count gives the same scale): torch
+        # calls loss_fn once more on its first step, to check the stage's output, so an index would slip.
+        scale_of = {int((t != IGNORE_INDEX).sum()): scale for (_, t), scale in zip(batches, scales, strict=True)}
+        losses: list[torch.Tensor] = []
+
+        def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            loss = micro.side.loss(token_loss_sum(logits, targets))
+            losses.append(loss.detach())
+            return loss * scale_of[int((targets != IGNORE_INDEX).sum())]
+
+        if self.schedule is None:
+            stage = PipelineStage(self.module, self.d.pp_rank, self.d.pp, self.d.device, group=self.group)
+            kind = ScheduleGPipe if self.cfg.pp_schedule == "gpipe" else Schedule1F1B
+            # scale_grads=False: each loss is already divided as section 6 says, not by the micro-batches
+            self.schedule = kind(stage, len(batches), loss_fn=lambda y, t: self.loss_fn(y, t), scale_grads=False)
+        self.loss_fn = loss_fn
+        ids, targets = (torch.cat(column) for column in zip(*batches, strict=True))
+        with autocast_for(micro.precision, self.d.device):
+            if self.first:
+                self.schedule.step(ids)
+            else:
+                self.schedule.step(target=targets if self.last else None, losses=[] if self.last else None)
+        return losses[-len(batches) :]  # the micro-batches' own, without that first check
+
+    def finish_gradient_sync(self) -> None:
+        if self.sync:  # the replicas of this stage average its gradients: no_sync kept them local till now
+            for p in self.sync.place:
+                if p.grad is not None:
+                    self.sync._gradient_ready(p)
+            self.sync.finish_gradient_sync()
+
+    def eval_loss(self, kit: ModelKit, batch: tuple) -> torch.Tensor:
+        """Forward only, through the stages; the loss on the last (0 elsewhere: its share is 0)."""
+        x, targets = self.padded(batch)
+        if not self.first:
+            received = torch.empty((*x.shape, self.cfg.d_model), device=self.d.device)
+            dist.recv(received, self.ranks[self.d.pp_rank - 1], group=self.group)
+            x = received
+        if self.last:
+            return token_loss_sum(self.module(x), targets)
+        dist.send(self.module(x), self.ranks[self.d.pp_rank + 1], group=self.group)
+        return torch.zeros((), device=self.d.device)
+
+    def gather_stages(self, mine: object) -> list | None:
+        """Every stage's `mine`, in stage order, on rank 0 (a collective of the first replica's stages)."""
+        if self.d.dp_rank:
+            return None
+        stages = [None] * self.d.pp if self.d.is_main else None
+        dist.gather_object(mine, stages, dst=0, group=self.group)
+        return stages
+
+    def rank0_state(self, d: Dist, named_params: list, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """Each stage's weights and optimizer state by name, gathered to rank 0 and numbered there in
+        the whole model's order, which is the stages' order: the checkpoint of one process."""
+        local = optimizer.state_dict()
+        moments = {named_params[i][0]: s for i, s in local["state"].items()}
+        stages = self.gather_stages(to_cpu(({n: p.detach() for n, p in named_params}, moments)))
+        if not d.is_main:
+            return {}, {}
+        weights = {n: t for stage_weights, _ in stages for n, t in stage_weights.items()}
+        index = number(list(weights))
+        state = {index[n]: s for _, stage_moments in stages for n, s in stage_moments.items()}
+        return weights, {"state": state, "param_groups": [{**local["param_groups"][0], "params": list(index.values())}]}
+
+    def load_state(self, named_params: list, weights: dict, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Each stage takes its own parameters' weights and state, by name, from the whole."""
+        index = number(list(weights))
+        with torch.no_grad():
+            for name, p in named_params:
+                p.copy_(weights[name])
+        mine = {j: state["state"][index[n]] for j, (n, _) in enumerate(named_params) if index[n] in state["state"]}
+        group = {**state["param_groups"][0], "params": list(range(len(named_params)))}
+        load_optimizer_state(optimizer, {"state": mine, "param_groups": [group]})
+
+    def whole_state_dict(self, d: Dist, raw: nn.Module) -> dict | None:
+        stages = self.gather_stages(to_cpu({n: t.detach() for n, t in raw.state_dict().items()}))
+        return {n: t for stage in stages for n, t in stage.items()} if d.is_main else {}
+
+    def replicated(self, named_params: list, optimizer: torch.optim.Optimizer | None = None) -> list:
+        return []  # no tensor is held by every rank: each stage holds its own blocks
+
+    def ownership(self, named_params: list, optimizer: torch.optim.Optimizer) -> list[str]:
+        return self.split.ownership(named_params)
+
+
+class StageSplit(WholeModel):
+    """A pipeline stage's part of the model: its own parameters whole, the others' none."""
+
+    def __init__(self, d: Dist, last: bool, first: bool, owned: range) -> None:
+        self.group, self.loss_share = d.group("pp"), float(last)  # only the last stage computes the loss
+        self.first, self.last, self.owned, self.stage = first, last, owned, d.pp_rank
+
+    def clip_gradients(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        """One global norm: each stage's squares, summed over the pipeline's stages."""
+        grads = [p.grad for p in params if p.grad is not None]
+        total = sum((g.float().square().sum() for g in grads), torch.zeros((), device=grads[0].device))
+        dist.all_reduce(total, group=self.group)
+        norm = total.sqrt()
+        if max_norm:
+            coef = min(1.0, max_norm / (float(norm) + 1e-6))
+            for g in grads:
+                g.mul_(coef)
+        return norm
+
+    def ownership(self, named_params: list) -> list[str]:
+        parts = ["the embeddings"] * self.first + [f"blocks {self.owned.start}-{self.owned.stop - 1}"]
+        parts += ["the final norm and head"] * self.last
+        return [f"stage {self.stage}: {', '.join(parts)} ({sum(p.numel() for _, p in named_params):,} weights)"]
+
+
+def split_model(kit: ModelKit, cfg: RunConfig, d: Dist) -> WholeModel | None:
+    """Tensor parallelism applied to the model in place, before the data-parallel wrapper takes it."""
+    return TensorParallel(kit.model, d, manual=cfg.ddp == "manual") if d.tp > 1 else None
+
+
+def wrap_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats, split: WholeModel | None) -> Wrapper:
+    """The model as every rank trains it: replicated (DDP, section 5), sharded (FSDP, section 7), or
+    split (here): a pipeline's stage, or tensor-parallel slices under DDP or FSDP."""
+    if d.pp > 1:
+        return Pipeline(kit, cfg, d, stats)
     if d.distributed and cfg.sharding == "full":
-        return shard_fully(kit, cfg, d, stats)
-    return wrap_data_parallel(kit.trained, cfg, d, stats)
+        return shard_fully(kit, cfg, d, stats, split)
+    if split and d.dp > 1 and cfg.ddp == "torch":
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        for unit in [*kit.blocks, kit.trained]:  # inner units first, as fully_shard takes them
+            replicate(unit, mesh=d.mesh["dp"])
+        return TorchReplicated(kit.trained, kit.model, split)
+    return wrap_data_parallel(kit.trained, cfg, d, stats, split)
 
 
 # ==============================================================================================
@@ -1825,7 +2390,7 @@ def wrap_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats) -> Wrap
 
 
 # ----------------------------------------------------------------------------------------------
-# 8. Command line: argparse fills the RunConfig, and refuses what cannot run
+# 9. Command line: argparse fills the RunConfig, and refuses what cannot run
 # ----------------------------------------------------------------------------------------------
 
 
@@ -1939,7 +2504,7 @@ def pretrained_flags_given(parser: argparse.ArgumentParser, argv: list[str], arg
 
 
 # ----------------------------------------------------------------------------------------------
-# 9. Launcher: ranks started without torchrun (--nproc), and meetings with no deadline
+# 10. Launcher: ranks started without torchrun (--nproc), and meetings with no deadline
 # ----------------------------------------------------------------------------------------------
 
 
@@ -2107,7 +2672,7 @@ def meet_without_deadline(d: Dist, name: str, problem: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# 10. Records: .jsonl schemas, chat templates and assistant-only targets, packing, the token cache
+# 11. Records: .jsonl schemas, chat templates and assistant-only targets, packing, the token cache
 # ----------------------------------------------------------------------------------------------
 
 
@@ -2285,7 +2850,7 @@ class Examples(Dataset):
     # (N,) int64: UTF-8 bytes of text the targets spell out (a line's end counts as one byte).
     # Loss per byte compares models whose tokens differ: a byte-level model and Qwen's BPE.
     target_bytes: torch.Tensor
-    # (N, T) int64 for packed rows: each example's positions restart at 0 (pack_rows, section 10)
+    # (N, T) int64 for packed rows: each example's positions restart at 0 (pack_rows, section 11)
     positions: torch.Tensor | None = None
 
     def __len__(self) -> int:
@@ -2724,7 +3289,7 @@ class Lines:
     stream[edges[i] + 1 : edges[i + 1]], framed by the newlines at edges[i] and edges[i + 1].
     `chosen` marks the lines this set uses (training or held out), kept in file order."""
 
-    stream: np.ndarray | FileArray  # uint8, read from the token cache (FileArray, section 10), or in memory
+    stream: np.ndarray | FileArray  # uint8, read from the token cache (FileArray, section 11), or in memory
     edges: np.ndarray | FileArray  # (N + 1,) the framing newlines' positions
     key: str  # what the bytes are: the token cache's key, part of the training data's digest
     chosen: np.ndarray | None = None  # bool, one per line; None: every line
@@ -3465,7 +4030,7 @@ def corpus_from(arrays: dict[str, np.ndarray | FileArray], meta: dict, key: str)
 
 
 # ----------------------------------------------------------------------------------------------
-# 11. Pretrained models: Qwen2.5, Llama, Gemma, Mistral, Phi-3, ... with LoRA; the tiny model's size check
+# 12. Pretrained models: Qwen2.5, Llama, Gemma, Mistral, Phi-3, ... with LoRA; the tiny model's size check
 # ----------------------------------------------------------------------------------------------
 
 
@@ -3817,7 +4382,7 @@ def check_lora_targets(model: nn.Module, targets: tuple[str, ...]) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# 12. Reports and checks: how gradients travel, the whole state from shards, --inspect, --verify-sync
+# 13. Reports and checks: how gradients travel, the whole state from shards, --inspect, --verify-sync
 # ----------------------------------------------------------------------------------------------
 
 
@@ -3854,14 +4419,20 @@ def cannot_shard_fully(cfg: RunConfig) -> str | None:
     return None
 
 
-def rank0_optimizer_state(d: Dist, optimizer: torch.optim.Optimizer) -> dict:
+def rank0_optimizer_state(d: Dist, optimizer: torch.optim.Optimizer, named_params: list,
+                          whole: Callable[[str, torch.Tensor], torch.Tensor]) -> dict:  # fmt: skip
     """The optimizer's whole state on rank 0 ({} elsewhere); a collective under ZeRO-1, whose ranks
-    each hold the state of their own parameters: it is collected."""
+    each hold the state of their own parameters (it is collected), and under tensor parallelism,
+    whose moments are sliced like their parameters (whole(name, moment) gathers each)."""
     if isinstance(optimizer, ShardedOptimizer):
         return optimizer.state_dict(to=0, group=d.control)  # over Gloo: the state stays off the GPUs
     if holds_a_share(optimizer):  # torch's ZeroRedundancyOptimizer
         optimizer.consolidate_state_dict(to=0)
-    return optimizer.state_dict() if d.is_main else {}
+        return optimizer.state_dict() if d.is_main else {}
+    state = optimizer.state_dict()
+    moments = {i: {k: whole(named_params[i][0], v) if torch.is_tensor(v) and v.dim() else v for k, v in s.items()}
+               for i, s in state["state"].items()}  # fmt: skip
+    return {**state, "state": moments} if d.is_main else {}
 
 
 def optimizer_state_tensors(named_params: list, optimizer: torch.optim.Optimizer) -> list:
@@ -3984,7 +4555,7 @@ def report_inspect_step(cfg: RunConfig, d: Dist, step: int, stats: CommStats, se
 
 
 # ----------------------------------------------------------------------------------------------
-# 13. Timeline: every rank's first --trace-steps steps on one clock, as a trace file and a picture
+# 14. Timeline: every rank's first --trace-steps steps on one clock, as a trace file and a picture
 # ----------------------------------------------------------------------------------------------
 
 
@@ -4223,7 +4794,7 @@ def timeline_figure(plt: object, cfg: RunConfig, ranks: list[list[Span]]) -> obj
 
 
 # ----------------------------------------------------------------------------------------------
-# 14. Step side work: warmup, precision, faults on purpose, the step's side work, stop requests
+# 15. Step side work: warmup, precision, faults on purpose, the step's side work, stop requests
 # ----------------------------------------------------------------------------------------------
 
 
@@ -4289,11 +4860,11 @@ def cpu_bf16_slowdown(n: int = 256, repeats: int = 3) -> float:
     return seconds[1] / seconds[0]
 
 
-def autocast_for(precision: str, d: Dist) -> contextlib.AbstractContextManager:
+def autocast_for(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
     """Matmuls in bf16/fp16 inside forward; weights, gradients and optimizer stay fp32."""
     if precision == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(d.device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
 
 
 def check_gradients_arrived(model: nn.Module, d: Dist) -> None:
@@ -4495,7 +5066,7 @@ def raise_non_finite(d: Dist, step: int, loss: float, grad_norm: float, local_lo
 
 
 # ----------------------------------------------------------------------------------------------
-# 15. Evaluate and report: held-out loss, progress, metrics, MFU, the loss plot, the memory table, summary
+# 16. Evaluate and report: held-out loss, progress, metrics, MFU, the loss plot, the memory table, summary
 # ----------------------------------------------------------------------------------------------
 
 
@@ -4511,8 +5082,8 @@ def log(d: Dist, message: str) -> None:
 
 
 def global_batch(cfg: RunConfig, d: Dist) -> int:
-    """Examples per optimizer step over all ranks: per-rank batch x ranks x micro-steps."""
-    return cfg.batch_size * d.world_size * cfg.grad_accum_steps
+    """Examples per optimizer step over all ranks: per-replica batch x replicas x micro-steps."""
+    return cfg.batch_size * d.dp * cfg.grad_accum_steps
 
 
 def announce_run(cfg: RunConfig, d: Dist, sampler: DistributedSampler, steps_per_epoch: int, precision: str,
@@ -4557,21 +5128,22 @@ def evaluate(cfg: RunConfig, d: Dist, kit: ModelKit, model: Replicas, precision:
     raw.eval()
     loss_sum = tokens = nbytes = 0.0
     # With fewer held-out examples than ranks, some ranks hold none: they add zeros to the sums.
-    mine = torch.arange(d.rank, len(val), d.world_size)
+    mine = torch.arange(d.dp_rank, len(val), d.dp)  # a replica's ranks (slices, stages) share its examples
     batches = [[val[i] for i in chunk.tolist()] for chunk in mine.split(cfg.batch_size)] if len(mine) else []
     if model.gathers_in_forward:  # rank 0 holds the most batches; the others join its gathers
-        batches += [[val[0]]] * (math.ceil(math.ceil(len(val) / d.world_size) / cfg.batch_size) - len(batches))
+        batches += [[val[0]]] * (math.ceil(math.ceil(len(val) / d.dp) / cfg.batch_size) - len(batches))
     for i, batch in enumerate(batches):
         inputs, targets, *positions = (t.to(d.device) for t in trim_padding(batch))
-        with autocast_for(precision, d):
-            loss = kit.loss(raw, inputs, targets, *positions).item()
+        with autocast_for(precision, d.device):
+            loss = model.eval_loss(kit, (inputs, targets, *positions)).item()
         if i * cfg.batch_size < len(mine):  # a batch of this rank's own, not one that only joins in
             loss_sum += loss
             tokens += int((targets != IGNORE_INDEX).sum())
             nbytes += int(val.target_bytes[mine[i * cfg.batch_size : (i + 1) * cfg.batch_size]].sum())
     model.after_evaluation()
     raw.train()
-    loss_sum, tokens, nbytes = all_reduce_sum(d, [loss_sum, tokens, nbytes])
+    share = model.split.loss_share  # one rank of each replica counts its examples
+    loss_sum, tokens, nbytes = all_reduce_sum(d, [loss_sum * share, tokens * share, nbytes * share])
     loss = loss_sum / tokens
     # Perplexity is per token, so it depends on the tokenizer; bits per byte does not, and
     # compares the byte-level model with Qwen on the same text.
@@ -4872,7 +5444,7 @@ def print_summary(cfg: RunConfig, d: Dist, result: TrainResult, wall_seconds: fl
 
 
 # ----------------------------------------------------------------------------------------------
-# 16. Save: rank 0 writes while the others wait for it; locks, checkpoints and resume, stop markers
+# 17. Save: rank 0 writes while the others wait for it; locks, checkpoints and resume, stop markers
 # ----------------------------------------------------------------------------------------------
 
 
@@ -5474,7 +6046,7 @@ def resume_training(
 
 
 # ----------------------------------------------------------------------------------------------
-# 17. Main: launch -> connect -> shard -> train -> sync -> save -> sample
+# 18. Main: launch -> connect -> shard -> train -> sync -> save -> sample
 # ----------------------------------------------------------------------------------------------
 
 
@@ -5496,7 +6068,7 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
     if cfg.show_examples:
         show_examples(cfg, d, first_records(cfg, cfg.show_examples))
         return
-    # The corpus as tokens, built into the token cache once; batches read their rows from it (section 10).
+    # The corpus as tokens, built into the token cache once; batches read their rows from it (section 11).
     corpus = open_corpus(cfg, d, resolve_model_files(cfg, d) if cfg.model == "hf" else None)
     val = held_out(len(corpus), cfg.val_fraction, cfg.seed)
     build_kit = build_pretrained_kit if cfg.model == "hf" else build_tiny_kit
@@ -5586,7 +6158,7 @@ def steps_for_epochs(cfg: RunConfig, d: Dist, kit: ModelKit) -> RunConfig:
     if not cfg.epochs:
         return cfg
     # What the loader will give: the sampler's drop_last shard, whole batches, whole steps.
-    per_epoch = len(kit.train) // d.world_size // cfg.batch_size // cfg.grad_accum_steps
+    per_epoch = len(kit.train) // d.dp // cfg.batch_size // cfg.grad_accum_steps
     steps = min(cfg.max_steps or math.inf, cfg.epochs * per_epoch)
     capped = f", capped by --max-steps {cfg.max_steps}" if steps < cfg.epochs * per_epoch else ""
     log(d, f"[run] --epochs {cfg.epochs} x {per_epoch} steps per epoch = {steps} steps{capped}")
