@@ -1188,8 +1188,11 @@ def make_optimizer(cfg: RunConfig, d: Dist, params: list[nn.Parameter]) -> torch
         # Plain SGD moves weights by exactly lr x gradient: a gradient off by a factor shows at
         # once, which is why the equivalence tests use it. (Adam divides the factor back out.)
         kind, options = torch.optim.SGD, {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
-    else:  # fused: one kernel updates every tensor (on CPU 5x faster than the per-tensor loop here)
-        kind, options = torch.optim.AdamW, {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "fused": True}
+    else:  # fused: one kernel updates every tensor (on CPU 5x faster than the per-tensor loop here);
+        # not under tensor parallelism, whose torch slices are DTensors beside plain whole tensors, which
+        # one fused call cannot mix: the per-tensor loop, for both kinds, so that they stay equal.
+        kind, options = torch.optim.AdamW, {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
+        options |= {"fused": True} if d.tp == 1 else {"fused": False, "foreach": False}
     if cfg.sharding == "optimizer" and d.distributed:
         if cfg.ddp == "manual":
             return ShardedOptimizer(params, kind, **options)
@@ -1201,11 +1204,16 @@ def make_optimizer(cfg: RunConfig, d: Dist, params: list[nn.Parameter]) -> torch
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    inner = getattr(optimizer, "optim", optimizer)
+    # A saved group carries how the saving run stepped (fused or a per-tensor loop): this run keeps its own.
+    kept = [[{k: g[k] for k in ("fused", "foreach") if k in g} for g in o.param_groups] for o in (optimizer, inner)]
     optimizer.load_state_dict(state)  # ShardedOptimizer and ZeroRedundancyOptimizer keep their own share
+    for o, groups in zip((optimizer, inner), kept, strict=True):
+        for group, own in zip(o.param_groups, groups, strict=True):
+            group.update(own)
     # torch's ZeroRedundancyOptimizer moves every 0-d state tensor (Adam's step) to the CPU as it
     # loads (torch 2.13), and the fused and capturable kernels refuse a step that is not on its
     # parameter's device (pytorch#124133): put it where a step() would have kept it.
-    inner = getattr(optimizer, "optim", optimizer)
     if inner.defaults.get("fused") or inner.defaults.get("capturable"):
         for p, s in inner.state.items():
             if torch.is_tensor(s.get("step")):
@@ -2477,6 +2485,8 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     if cfg.d_model % cfg.n_heads:
         raise UsageError(f"--d-model {cfg.d_model} is not divisible by --n-heads {cfg.n_heads}")
     if cfg.sharding == "full" and (why := cannot_shard_fully(cfg)):
+        raise UsageError(why)
+    if cfg.tp * cfg.pp > 1 and (why := cannot_split(cfg)):
         raise UsageError(why)
     try:  # found now, not after hours of training when the sample is printed
         cfg.prompt.encode("utf-8")
@@ -4419,6 +4429,36 @@ def cannot_shard_fully(cfg: RunConfig) -> str | None:
     return None
 
 
+def cannot_split(cfg: RunConfig) -> str | None:
+    """What --tp and --pp cannot do (yet), each named, before any rank trains."""
+    if cfg.tp > 1 and cfg.pp > 1:
+        return "--tp with --pp: the two splits do not compose yet; use one, with data parallelism along the rest"
+    if cfg.model == "hf" and cfg.pp > 1:
+        return "--pp with --model hf: stages are cut from the tiny model's blocks only; use --tp or --sharding full"
+    flag = f"--tp {cfg.tp}" if cfg.tp > 1 else f"--pp {cfg.pp}"
+    if cfg.sharding == "optimizer" or (cfg.pp > 1 and cfg.sharding == "full"):
+        return (
+            f"{flag} with --sharding {cfg.sharding}: not built yet; --tp composes with --sharding full, both with none"
+        )
+    if cfg.tp > 1 and cfg.sharding == "full" and cfg.ddp == "manual":
+        return "--tp with --sharding full --ddp manual: the from-scratch FSDP does not shard slices; use --ddp torch"
+    if cfg.model == "tiny" and cfg.tp > 1 and (cfg.n_heads % cfg.tp or cfg.d_model % cfg.tp):
+        return (
+            f"--tp {cfg.tp} must divide --n-heads {cfg.n_heads} and --d-model {cfg.d_model}: a rank takes whole heads"
+        )
+    if cfg.model == "tiny" and cfg.pp > cfg.n_layers:
+        return f"--pp {cfg.pp} is more stages than --n-layers {cfg.n_layers} blocks: each stage needs one at least"
+    if cfg.precision == "fp16":
+        return f"{flag} with --precision fp16: its loss scaler is not split with the model; use bf16 or fp32"
+    if cfg.pp > 1 and cfg.inject_fault and cfg.inject_fault.kind == "desync":
+        return "--inject-fault desync with --pp: no tensor is held by every rank, so no check could tell"
+    if cfg.ddp == "torch" and (cfg.grad_compression != "none" or cfg.trace_steps):
+        what = "--grad-compression" if cfg.grad_compression != "none" else "--trace-steps"
+        return (f"{what} with {flag} --ddp torch: torch's split runs its collectives out of this script's "
+                "sight; --ddp manual shows and compresses its own")  # fmt: skip
+    return None
+
+
 def rank0_optimizer_state(d: Dist, optimizer: torch.optim.Optimizer, named_params: list,
                           whole: Callable[[str, torch.Tensor], torch.Tensor]) -> dict:  # fmt: skip
     """The optimizer's whole state on rank 0 ({} elsewhere); a collective under ZeRO-1, whose ranks
@@ -5099,6 +5139,8 @@ def announce_run(cfg: RunConfig, d: Dist, sampler: DistributedSampler, steps_per
            f"precision {precision}")  # fmt: skip
     if cfg.sharding != "none" and not d.distributed:
         log(d, f"[run] --sharding {cfg.sharding}: one process holds the whole model, there is nothing to shard")
+    if cfg.tp * cfg.pp > 1 and not d.distributed:
+        log(d, f"[run] --tp {cfg.tp} --pp {cfg.pp}: one process computes the whole model, there is nothing to split")
     if cfg.inspect:
         print_in_rank_order(d, describe_shards(sampler) + model.ownership(named_params, optimizer))
 
@@ -5691,8 +5733,9 @@ MAY_CHANGE_ON_RESUME = ("max_steps",)
 # How the global batch is split may change on resume, the global batch itself may not. Rank r
 # of W takes every W-th example, so every split of the same global batch trains each step on
 # the same examples (tests/test_gradients.py): 2 ranks x 4 continue as 1 rank x 8, as a
-# checkpoint from any --sharding continues under any other.
-BATCH_SPLIT = ("world_size", "batch_size", "grad_accum_steps")
+# checkpoint from any --sharding, --tp or --pp continues under any other (replicas, not ranks,
+# split the data: the ranks of a split model share one replica's batch).
+BATCH_SPLIT = ("world_size", "tp", "pp", "batch_size", "grad_accum_steps")
 
 
 def may_change(key: str, saved: dict, settings: dict) -> bool:
@@ -5706,7 +5749,11 @@ def may_change(key: str, saved: dict, settings: dict) -> bool:
 
 
 def global_batch_of(settings: dict) -> int | None:
-    return math.prod(settings[k] for k in BATCH_SPLIT) if all(k in settings for k in BATCH_SPLIT) else None
+    """Replicas x batch x micro-steps: the ranks of a split model (--tp x --pp) share one replica's batch."""
+    split = {"tp": 1, "pp": 1} | settings  # written before model splitting: one rank a replica
+    if not all(k in split for k in BATCH_SPLIT):
+        return None
+    return split["world_size"] // (split["tp"] * split["pp"]) * split["batch_size"] * split["grad_accum_steps"]
 
 
 def run_settings(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
@@ -5723,7 +5770,7 @@ def run_settings(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
     """
     model = ("d_model", "n_heads", "n_layers", "dropout") if cfg.model == "tiny" else (
         "model_name_or_path", "finetune", "lora_r", "lora_alpha", "lora_dropout", "attn_implementation")  # fmt: skip
-    taken = ("model", "batch_size", "grad_accum_steps", "seq_len", "seed", "optimizer", "lr", "min_lr",
+    taken = ("model", "tp", "pp", "batch_size", "grad_accum_steps", "seq_len", "seed", "optimizer", "lr", "min_lr",
              "warmup_steps", "weight_decay", "grad_clip", "loss_normalization", "max_steps", "grad_compression",
              "ddp", *model)  # fmt: skip
     settings = {k: getattr(cfg, k) for k in taken} | {
