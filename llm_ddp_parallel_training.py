@@ -825,12 +825,15 @@ class CommStats:
 
     Both wrappers report every bucket they launch here: torch's DDP through a comm hook, the
     manual one directly. Counting per optimizer step shows that accumulation's k-1 silent
-    micro-steps send nothing.
+    micro-steps send nothing. The from-scratch FSDP, tensor and pipeline parallelism (sections 7
+    and 8) report their collectives here too, by kind, for the summary and the timeline.
     """
 
     def __init__(self, model: nn.Module, compress: bool) -> None:
-        self.name_of = {id(p): name for name, p in model.named_parameters()}
+        self.model = model
         self.compress = compress  # --grad-compression bf16: send bf16, half the bytes
+        self.moved: dict[str, list[int]] = {}  # kind -> [calls, bytes], this rank's, for the whole attempt
+        self.steps = 0
         self.calls = 0
         self.bytes = 0
         self.step_layout: dict[int, tuple[int, list[str]]] = {}
@@ -839,25 +842,37 @@ class CommStats:
         self.local_grads: dict[str, torch.Tensor] | None = None  # set to {} to capture one step
         self.timeline: Timeline | None = None  # --trace-steps: each bucket's all-reduce becomes a span
 
+    @functools.cached_property
+    def name_of(self) -> dict[int, str]:  # at the first bucket: after tensor parallelism made its parameters
+        return {id(p): name for name, p in self.model.named_parameters()}
+
+    def count(self, kind: str, nbytes: int) -> None:
+        moved = self.moved.setdefault(kind, [0, 0])
+        moved[0], moved[1] = moved[0] + 1, moved[1] + nbytes
+
     def record(self, index: int, nbytes: int, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         self.calls += 1
         self.bytes += nbytes
+        self.count("all-reduce of gradient buckets", nbytes)
         self.step_layout[index] = (nbytes, [self.name_of[id(p)] for p in params])
         if self.local_grads is not None:  # the gradient this rank computed, before averaging
             for p, g in zip(params, grads, strict=True):
                 self.local_grads[self.name_of[id(p)]] = g.detach().clone()
 
-    def traced(self, future: torch.futures.Future, index: int, nbytes: int, dtype: torch.dtype) -> torch.futures.Future:
+    def traced(self, future: torch.futures.Future, name: str, args: dict) -> torch.futures.Future:
+        """The collective's future, a span of the timeline's (--trace-steps) from now until it arrives."""
         if self.timeline is None or not self.timeline.on:
             return future
-        return self.timeline.collective(
-            "all-reduce", future, {"bucket": index, "bytes": nbytes, "dtype": str(dtype).removeprefix("torch.")}
-        )
+        return self.timeline.collective(name, future, args)
+
+    def per_step(self) -> dict[str, tuple[float, float]]:
+        """Each kind of collective this rank started: (calls, bytes) per optimizer step."""
+        return {kind: (calls / self.steps, nbytes / self.steps) for kind, (calls, nbytes) in self.moved.items()}
 
     def end_step(self) -> tuple[int, int]:
         """Close the optimizer step: return (all-reduce calls, bytes) and note the bucket layout."""
         calls, nbytes = self.calls, self.bytes
-        self.calls = self.bytes = 0
+        self.calls, self.bytes, self.steps = 0, 0, self.steps + 1
         if self.step_layout:
             layout = [self.step_layout[i] for i in sorted(self.step_layout)]
             self.layout_changed = bool(self.layout) and layout != self.layout
@@ -872,6 +887,7 @@ class Replicas:
     wrappers of section 7 and the pipeline of section 8 answer otherwise; the work is in section 13."""
 
     gathers_in_forward = False  # a forward is a collective every rank must join (FSDP)
+    all_reduces_buckets = True  # gradients travel in DDP's buckets (not FSDP's, nor a split model's alone)
     split: WholeModel  # how the model is split across the ranks of one replica (section 8)
 
     def forward_backward(self, micro_batches: list[tuple], scales: list[float], micro: MicroStep) -> torch.Tensor:
@@ -954,6 +970,7 @@ class Wrapper(Replicas, nn.Module):
     def __init__(self, module: nn.Module, split: WholeModel | None = None) -> None:
         super().__init__()
         self.module, self.split = module, split or WholeModel()
+        self.all_reduces_buckets = split is None  # one process: none, counted as none; a split model alone: none
         self.require_sync = True  # False inside no_sync(): gradients accumulate, nothing travels
 
     @contextlib.contextmanager
@@ -1016,7 +1033,8 @@ def counting_allreduce_hook(stats, bucket):  # no annotations: DDP checks them, 
     else:
         future = default_hooks.allreduce_hook(None, bucket)
     wire_dtype = torch.bfloat16 if stats.compress else buffer.dtype
-    return stats.traced(future, bucket.index(), wire_bytes, wire_dtype)
+    args = {"bucket": bucket.index(), "bytes": wire_bytes, "dtype": str(wire_dtype).removeprefix("torch.")}
+    return stats.traced(future, "all-reduce", args)
 
 
 @dataclass(eq=False)
@@ -1049,6 +1067,7 @@ class ManualDDP(Wrapper):
                  split: WholeModel | None = None) -> None:  # fmt: skip
         super().__init__(module, split)
         self.world_size, self.stats, self.group = d.dp, stats, d.group("dp")
+        self.all_reduces_buckets = True
         with torch.no_grad():
             for t in [*module.parameters(), *module.buffers()]:
                 dist.broadcast(t, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
@@ -1094,7 +1113,8 @@ class ManualDDP(Wrapper):
             nbytes = bucket.wire.numel() * bucket.wire.element_size()
             self.stats.record(bucket.index, nbytes, bucket.params, local)
             work = dist.all_reduce(bucket.wire, async_op=True, group=self.group)
-            bucket.arrival = self.stats.traced(work.get_future(), bucket.index, nbytes, bucket.wire.dtype)
+            args = {"bucket": bucket.index, "bytes": nbytes, "dtype": str(bucket.wire.dtype).removeprefix("torch.")}
+            bucket.arrival = self.stats.traced(work.get_future(), "all-reduce", args)
 
     def finish_gradient_sync(self) -> None:
         for bucket in self.buckets:
@@ -1255,6 +1275,7 @@ class TrainResult:
     trace: list[list[Span]]  # --trace-steps: every rank's spans (rank 0 only)
     model: nn.Module  # as trained: wrapped by DDP, or sharded
     memory: list[dict]  # every rank's training state in bytes, measured and predicted (rank 0 only)
+    traffic: dict[str, tuple[float, float]]  # this rank's collectives by kind: (calls, bytes) per step
 
 
 def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings: dict) -> TrainResult:
@@ -1262,8 +1283,8 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
     backward (the bucket all-reduces), finish_gradient_sync, clip, step. Around it, at fixed points,
     the side work of section 15 (timers, faults, checks), the reports of 16, the checkpoints of 17."""
     loader, sampler = make_train_loader(kit.train, cfg, d)
-    split = split_model(kit, cfg, d)  # tensor parallelism (section 8) makes new parameters: before any hook
     stats = CommStats(kit.model, compress=cfg.grad_compression == "bf16")
+    split = split_model(kit, cfg, d, stats)  # tensor parallelism (section 8) makes new parameters: before any hook
     side = SideWork(cfg, d, kit, stats, resume["progress"]["step"] if resume else 0)  # its hooks run first
     model = wrap_model(kit, cfg, d, stats, split)
     named_params = trainable_parameters(kit.model)  # again: torch's fully_shard replaces every parameter
@@ -1314,7 +1335,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
             dist.all_reduce(loss_sum)  # on the device: nothing is read back yet
         if scaler:
             scaler.unscale_(optimizer)  # clip and report the true gradient, not the scaled one
-        side.gradients_synced(step, named_params, sent, local_loss_sum, micro_tokens)
+        side.gradients_synced(step, model, named_params, sent, local_loss_sum, micro_tokens)
         norm = model.clip_gradients(params, cfg.grad_clip)
         # The step's one read from the device (on a GPU, a wait for it): the guard below must
         # know before the update whether the loss and gradient are finite.
@@ -1337,7 +1358,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
             "lr": lr,
             "grad_norm": grad_norm,
             **val,
-            **sent_in_buckets(cfg, d, *sent),
+            **sent_in_buckets(model, *sent),
         }
         reporter.step_done(metrics, int(global_tokens), step_seconds, steps_per_epoch, side)
         if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.max_steps):
@@ -1348,7 +1369,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
         saver.save(model, named_params, optimizer, scaler, progress)
     reporter.close()
     trace, memory = side.finish(model, optimizer)
-    return TrainResult(progress, reporter.tokens, reporter.seconds, stopped_by, trace, model, memory)
+    return TrainResult(progress, reporter.tokens, reporter.seconds, stopped_by, trace, model, memory, stats.per_step())
 
 
 def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -1502,7 +1523,7 @@ class ManualFSDP(Wrapper):
     its sum over micro-steps stay in the shards' dtype (float32).
     """
 
-    gathers_in_forward = True
+    gathers_in_forward, all_reduces_buckets = True, False
 
     def __init__(
         self,
@@ -1510,7 +1531,7 @@ class ManualFSDP(Wrapper):
         d: Dist,
         units: list[nn.Module],
         param_dtype: torch.dtype | None = None,
-        timeline: Timeline | None = None,  # --trace-steps: each all-gather and reduce-scatter becomes a span
+        stats: CommStats | None = None,  # counts each all-gather and reduce-scatter; traces them (--trace-steps)
     ) -> None:
         super().__init__(module)
         self.world, self.rank, self.param_dtype = d.world_size, d.rank, param_dtype
@@ -1530,7 +1551,7 @@ class ManualFSDP(Wrapper):
         self.forward_order: list[Unit] = []  # learned in the first step; prefetch follows it
         self.finish_order: list[Unit] = []  # units in the order their forwards end: backward runs it in reverse
         self.order_known = False
-        self.gloo, self.timeline = dist.get_backend() == "gloo", timeline
+        self.gloo, self.stats = dist.get_backend() == "gloo", stats
         self.master: dict[nn.Parameter, torch.Tensor] = {}  # a replicated weight's own, while it computes cast
         if param_dtype is not None and self.replicated:
             module.register_forward_pre_hook(self._cast_replicated)
@@ -1560,7 +1581,7 @@ class ManualFSDP(Wrapper):
             piece = self.shard[p].to(self.param_dtype or p.dtype)
             whole = torch.empty(piece.numel() * self.world, dtype=piece.dtype, device=piece.device)
             unit.gathering.append((all_gather_single(whole, piece, async_op=True), whole))
-        self._trace("all-gather", [work for work, _ in unit.gathering], unit)
+        self._trace("all-gather", [work for work, _ in unit.gathering], unit, sum(w.nbytes for _, w in unit.gathering))
 
     def _gather(self, unit: Unit) -> None:
         self._start_gather(unit)
@@ -1651,7 +1672,7 @@ class ManualFSDP(Wrapper):
             mine = torch.empty_like(shard)
             work = reduce_scatter_single(mine, padded, async_op=True)
         unit.scattering.append((p, work, mine))
-        self._trace("reduce-scatter", [work], unit)
+        self._trace("reduce-scatter", [work], unit, padded.nbytes)
         if len(unit.arrived) == len(unit.trainable):
             # This unit's gradients are all on the wire: settle the units before it. Each
             # reduce-scatter holds a whole, padded gradient until it ends; settling them as we
@@ -1666,10 +1687,11 @@ class ManualFSDP(Wrapper):
             unit.settled.append((p, summed / self.world))  # reduce-scatter summed; the contract is the average
         unit.scattering = []  # the whole, padded gradients are freed
 
-    def _trace(self, name: str, works: list[dist.Work], unit: Unit) -> None:
-        if self.timeline is not None and self.timeline.on:
+    def _trace(self, name: str, works: list[dist.Work], unit: Unit, nbytes: int) -> None:
+        if self.stats is not None:
+            self.stats.count(name, nbytes)
             arrivals = torch.futures.collect_all([work.get_future() for work in works])
-            self.timeline.collective(name, arrivals, {"unit": self.units.index(unit), "tensors": len(works)})
+            self.stats.traced(arrivals, name, {"unit": self.units.index(unit), "tensors": len(works), "bytes": nbytes})
 
     def finish_gradient_sync(self) -> None:
         self.order_known = True
@@ -1809,6 +1831,7 @@ class TorchFSDP(Wrapper):
     def __init__(self, root: nn.Module, named: nn.Module, split: WholeModel | None = None) -> None:
         super().__init__(root, split)
         self.named = named  # the module whose parameter names a checkpoint uses (the root may wrap it)
+        self.all_reduces_buckets = False
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -1925,7 +1948,7 @@ def shard_fully(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats, split:
     Under tensor parallelism (torch's 2-D recipe) the slices are sharded along the replicas."""
     units = [*kit.blocks, kit.trained]
     if cfg.ddp == "manual":
-        return ManualFSDP(kit.trained, d, units, timeline=stats.timeline)
+        return ManualFSDP(kit.trained, d, units, stats=stats)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -1982,6 +2005,20 @@ class WholeModel:
     def ownership(self, named_params: list) -> list[str]:
         return []
 
+    def holdings(self) -> str:
+        """What of one replica's model this rank holds, in words (the memory table)."""
+        return "the whole model"
+
+
+def tensor_parallel_sum(t: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None) -> torch.Tensor:
+    """The all-reduce of tensor parallelism, in place; counted and traced when a run's stats watch."""
+    work = dist.all_reduce(t, group=group, async_op=True)
+    if stats is not None:
+        stats.count("tensor-parallel all-reduce", t.nbytes)
+        stats.traced(work.get_future(), "all-reduce", {"tensor parallel": tuple(t.shape), "bytes": t.nbytes}).wait()
+    work.wait()
+    return t
+
 
 class CopyToTensorParallel(torch.autograd.Function):
     """Megatron's f: the identity in forward (every rank of the group holds the same input), an
@@ -1989,15 +2026,13 @@ class CopyToTensorParallel(torch.autograd.Function):
     gradient, and the input needs their sum."""
 
     @staticmethod
-    def forward(ctx: object, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx: object, x: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None) -> torch.Tensor:
+        ctx.group, ctx.stats = group, stats
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: object, grad: torch.Tensor) -> tuple:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return tensor_parallel_sum(grad.contiguous().clone(), ctx.group, ctx.stats), None, None
 
 
 class ReduceFromTensorParallel(torch.autograd.Function):
@@ -2005,14 +2040,12 @@ class ReduceFromTensorParallel(torch.autograd.Function):
     identity in backward (every partial sum's gradient is the whole output's)."""
 
     @staticmethod
-    def forward(ctx: object, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
+    def forward(ctx: object, x: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None) -> torch.Tensor:
+        return tensor_parallel_sum(x.clone(), group, stats)
 
     @staticmethod
     def backward(ctx: object, grad: torch.Tensor) -> tuple:
-        return grad, None
+        return grad, None, None
 
 
 class ColumnParallelLinear(nn.Module):
@@ -2020,26 +2053,30 @@ class ColumnParallelLinear(nn.Module):
     communication in forward. `parts`: a fused Linear (q, k and v in one weight) is cut as that many
     blocks, each rank taking its slice of each; cut naively, rank 0 would get q and half of k."""
 
-    def __init__(self, linear: nn.Linear, group: dist.ProcessGroup, parts: int = 1) -> None:
+    def __init__(
+        self, linear: nn.Linear, group: dist.ProcessGroup, parts: int = 1, stats: CommStats | None = None
+    ) -> None:
         super().__init__()
         n, r = dist.get_world_size(group), dist.get_rank(group)
-        self.group, self.weight = group, nn.Parameter(rank_order(linear.weight.detach(), parts, n).chunk(n)[r].clone())
+        self.group, self.stats = group, stats
+        self.weight = nn.Parameter(rank_order(linear.weight.detach(), parts, n).chunk(n)[r].clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(CopyToTensorParallel.apply(x, self.group), self.weight)
+        return F.linear(CopyToTensorParallel.apply(x, self.group, self.stats), self.weight)
 
 
 class RowParallelLinear(nn.Module):
     """y = x W^T, W's columns (x's features) cut across the group: rank r multiplies the slice of x
     the column-parallel layer before it made, and the partial products are summed."""
 
-    def __init__(self, linear: nn.Linear, group: dist.ProcessGroup) -> None:
+    def __init__(self, linear: nn.Linear, group: dist.ProcessGroup, stats: CommStats | None = None) -> None:
         super().__init__()
         n, r = dist.get_world_size(group), dist.get_rank(group)
-        self.group, self.weight = group, nn.Parameter(linear.weight.detach().chunk(n, dim=1)[r].clone())
+        self.group, self.stats = group, stats
+        self.weight = nn.Parameter(linear.weight.detach().chunk(n, dim=1)[r].clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ReduceFromTensorParallel.apply(F.linear(x, self.weight), self.group)
+        return ReduceFromTensorParallel.apply(F.linear(x, self.weight), self.group, self.stats)
 
 
 def rank_order(weight: torch.Tensor, parts: int, n: int) -> torch.Tensor:
@@ -2073,7 +2110,7 @@ class TensorParallel(WholeModel):
     The embeddings, norms and head stay whole on every rank. --ddp manual swaps in the modules above;
     --ddp torch gives the same cuts to parallelize_module as ColwiseParallel and RowwiseParallel."""
 
-    def __init__(self, model: nn.Module, d: Dist, manual: bool) -> None:
+    def __init__(self, model: nn.Module, d: Dist, manual: bool, stats: CommStats | None = None) -> None:
         self.group, self.n, self.rank = d.group("tp"), d.tp, d.tp_rank
         self.loss_share = float(d.tp_rank == 0)  # every slice computed the same loss: one counts it
         self.cuts: dict[str, tuple[int, int]] = {}  # parameter -> (the dimension cut, fused parts)
@@ -2082,12 +2119,10 @@ class TensorParallel(WholeModel):
                           f"blocks.{i}.mlp.0.weight": (0, 1), f"blocks.{i}.mlp.2.weight": (1, 1)}  # fmt: skip
             block.attn.own_dropout = functools.partial(own_dropout_stream, d.tp_rank)
             if manual:
-                block.attn.qkv = ColumnParallelLinear(block.attn.qkv, self.group, parts=3)
-                block.attn.proj = RowParallelLinear(block.attn.proj, self.group)
-                block.mlp[0], block.mlp[2] = (
-                    ColumnParallelLinear(block.mlp[0], self.group),
-                    RowParallelLinear(block.mlp[2], self.group),
-                )
+                block.attn.qkv = ColumnParallelLinear(block.attn.qkv, self.group, 3, stats)
+                block.attn.proj = RowParallelLinear(block.attn.proj, self.group, stats)
+                block.mlp[0] = ColumnParallelLinear(block.mlp[0], self.group, 1, stats)
+                block.mlp[2] = RowParallelLinear(block.mlp[2], self.group, stats)
                 continue
             from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -2158,6 +2193,10 @@ class TensorParallel(WholeModel):
                 lines.append(f"{name}: slice {self.rank} of {self.n} of its {what}")
         return [*lines, "... and the embeddings, norms and head whole, as every rank of the group holds them"]
 
+    def holdings(self) -> str:
+        return (f"slice {self.rank} of {self.n} of each block's q, k, v and MLP rows and projection columns; "
+                "embeddings, norms, head whole")  # fmt: skip
+
 
 class Pipeline(Wrapper):
     """Pipeline parallelism over the pipeline group: this rank holds one stage, a run of whole
@@ -2174,7 +2213,7 @@ class Pipeline(Wrapper):
     def __init__(self, kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats) -> None:
         model, n = kit.model, len(kit.model.blocks)
         self.first, self.last = d.pp_rank == 0, d.pp_rank == d.pp - 1
-        self.owned = range(d.pp_rank * n // d.pp, (d.pp_rank + 1) * n // d.pp)
+        self.owned = stage_blocks(d.pp_rank, n, d.pp)
         for i in range(n):  # the other stages' parts are taken out: this rank holds only its own
             if i not in self.owned:
                 model.blocks[i] = nn.Identity()
@@ -2186,7 +2225,9 @@ class Pipeline(Wrapper):
         self.d, self.cfg, self.stats = d, cfg, stats
         self.group, self.ranks = d.group("pp"), dist.get_process_group_ranks(d.group("pp"))
         self.sync = ManualDDP(model, d, cfg.bucket_mb, stats, self.split) if d.dp > 1 else None
+        self.all_reduces_buckets = self.sync is not None
         self.schedule = None  # torch's, made at the first step, for that many micro-batches
+        self.in_flight: list[tuple[dist.Work, object, dict]] = []  # sends not yet seen done
 
     def padded(self, batch: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """Every micro-batch at --seq-len: the stages exchange activations of one shape."""
@@ -2200,20 +2241,48 @@ class Pipeline(Wrapper):
             losses = (self.torch_schedule if self.cfg.ddp == "torch" else self.manual_schedule)(batches, scales, micro)
         return torch.stack(losses).sum() if losses else torch.zeros((), device=self.d.device)
 
+    def send(self, t: torch.Tensor, to: int) -> None:
+        """t to the stage `to` steps away (+1: the next, -1: the one before), counted; traced once seen done."""
+        self.stats.count("pipeline send", t.nbytes)
+        work = dist.isend(t.detach(), self.ranks[self.d.pp_rank + to], group=self.group)
+        self.in_flight.append((work, self.mark(), {"to stage": self.d.pp_rank + to, "bytes": t.nbytes}))
+
+    def settle(self, wait: bool = False) -> None:
+        """The sends seen done (all, with wait) leave the flight list, each a span on the timeline."""
+        for flight in list(self.in_flight):
+            work, start, args = flight
+            if wait:
+                work.wait()
+            if wait or work.is_completed():
+                self.in_flight.remove(flight)
+                self.span("send", start, args)
+
+    def receive(self, shape: tuple, frm: int, micro: MicroStep) -> torch.Tensor:
+        """A tensor from the stage `frm` steps away; the wait for it, this stage idle, is its bubble."""
+        self.settle()
+        t, start = torch.empty(shape, device=self.d.device), self.mark()
+        dist.irecv(t, self.ranks[self.d.pp_rank + frm], group=self.group).wait()
+        self.span("recv", start, {"from stage": self.d.pp_rank + frm, "bytes": t.nbytes})
+        micro.side.mark("bubble")  # this stage idle, waiting for its neighbour
+        return t
+
+    def mark(self) -> object:
+        timeline = self.stats.timeline
+        return timeline.now() if timeline is not None and timeline.on else None
+
+    def span(self, name: str, start: object, args: dict) -> None:
+        if start is not None and self.stats.timeline.on:
+            self.stats.timeline.pending.append((name, start, self.stats.timeline.now(), args))
+
     def manual_schedule(self, batches: list[tuple], scales: list[float], micro: MicroStep) -> list[torch.Tensor]:
         """GPipe or 1F1B from scratch: a stage receives its input from the one before (the first reads
         the ids), computes, and sends its output on; backward runs the other way."""
-        inputs, outputs, losses, sent = {}, {}, [], []
+        inputs, outputs, losses = {}, {}, []
         shape = (*batches[0][0].shape, self.cfg.d_model)
 
         def forward(m: int) -> None:
-            if self.first:
-                x = batches[m][0]
-            else:
-                x = torch.empty(shape, device=self.d.device)
-                dist.recv(x, self.ranks[self.d.pp_rank - 1], group=self.group)
-                x.requires_grad_()
-            if self.last:
+            x = batches[m][0] if self.first else self.receive(shape, -1, micro).requires_grad_()
+            if self.last:  # the loss, scaled as section 6 says
                 loss = micro.forward(self.module, (x, batches[m][1]))
                 losses.append(loss.detach())
                 outputs[m] = loss * scales[m]
@@ -2221,7 +2290,7 @@ class Pipeline(Wrapper):
                 with autocast_for(micro.precision, self.d.device):
                     outputs[m] = self.module(x)
                 micro.side.mark("forward")
-                sent.append(dist.isend(outputs[m].detach(), self.ranks[self.d.pp_rank + 1], group=self.group))
+                self.send(outputs[m], +1)
             inputs[m] = x
 
         def backward(m: int) -> None:
@@ -2229,27 +2298,23 @@ class Pipeline(Wrapper):
             if self.last:
                 micro.backward(y)
             else:
-                grad = torch.empty_like(y)
-                dist.recv(grad, self.ranks[self.d.pp_rank + 1], group=self.group)
-                y.backward(grad)
+                y.backward(self.receive(y.shape, +1, micro))
                 micro.side.mark("backward")
             if not self.first:
-                sent.append(dist.isend(x.grad, self.ranks[self.d.pp_rank - 1], group=self.group))
+                self.send(x.grad, -1)
 
-        m_count, warmup = (
-            len(batches),
-            len(batches) if self.cfg.pp_schedule == "gpipe" else self.d.pp - self.d.pp_rank - 1,
-        )
-        warmup = min(warmup, m_count)
+        # GPipe: every forward first. 1F1B: as many as the stages after this one need to start (the
+        # last stage none), then one forward and one backward, then the backwards left over.
+        count = len(batches)
+        warmup = min(count, count if self.cfg.pp_schedule == "gpipe" else self.d.pp - self.d.pp_rank - 1)
         for m in range(warmup):
             forward(m)
-        for m in range(warmup, m_count):  # 1F1B's steady state: one forward, then one backward
+        for m in range(warmup, count):
             forward(m)
             backward(m - warmup)
-        for m in range(m_count - warmup, m_count):
+        for m in range(count - warmup, count):
             backward(m)
-        for work in sent:
-            work.wait()
+        self.settle(wait=True)
         return losses
 
     def torch_schedule(self, batches: list[tuple], scales: list[float], micro: MicroStep) -> list[torch.Tensor]:
@@ -2340,6 +2405,19 @@ class Pipeline(Wrapper):
         return self.split.ownership(named_params)
 
 
+def stage_blocks(stage: int, n_layers: int, stages: int) -> range:
+    """The blocks of a stage: a contiguous run, the stages as even as the blocks allow."""
+    return range(stage * n_layers // stages, (stage + 1) * n_layers // stages)
+
+
+def stage_of(name: str, n_layers: int, stages: int) -> int:
+    """The stage that holds parameter `name`: its block's; the embeddings the first's, the rest the last's."""
+    if name.startswith("blocks."):
+        block = int(name.split(".")[1])
+        return next(s for s in range(stages) if block in stage_blocks(s, n_layers, stages))
+    return 0 if name.startswith(("tok_emb", "pos_emb")) else stages - 1
+
+
 class StageSplit(WholeModel):
     """A pipeline stage's part of the model: its own parameters whole, the others' none."""
 
@@ -2359,15 +2437,17 @@ class StageSplit(WholeModel):
                 g.mul_(coef)
         return norm
 
-    def ownership(self, named_params: list) -> list[str]:
+    def holdings(self) -> str:
         parts = ["the embeddings"] * self.first + [f"blocks {self.owned.start}-{self.owned.stop - 1}"]
-        parts += ["the final norm and head"] * self.last
-        return [f"stage {self.stage}: {', '.join(parts)} ({sum(p.numel() for _, p in named_params):,} weights)"]
+        return f"stage {self.stage}: " + ", ".join(parts + ["the final norm and head"] * self.last)
+
+    def ownership(self, named_params: list) -> list[str]:
+        return [f"{self.holdings()} ({sum(p.numel() for _, p in named_params):,} weights)"]
 
 
-def split_model(kit: ModelKit, cfg: RunConfig, d: Dist) -> WholeModel | None:
+def split_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats) -> WholeModel | None:
     """Tensor parallelism applied to the model in place, before the data-parallel wrapper takes it."""
-    return TensorParallel(kit.model, d, manual=cfg.ddp == "manual") if d.tp > 1 else None
+    return TensorParallel(kit.model, d, cfg.ddp == "manual", stats) if d.tp > 1 else None
 
 
 def wrap_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats, split: WholeModel | None) -> Wrapper:
@@ -4572,21 +4652,25 @@ def describe_local_gradient(stats: CommStats, named_params: list[tuple[str, nn.P
 
 
 def report_inspect_step(cfg: RunConfig, d: Dist, step: int, stats: CommStats, sent: tuple[int, int],
-                        named_params: list, local_loss_sum: float, micro_tokens: list[int]) -> None:  # fmt: skip
-    """The first steps through the eyes of each rank: its loss, its tokens, its gradient."""
+                        named_params: list, local_loss_sum: float, micro_tokens: list[int],
+                        share: float) -> None:  # fmt: skip
+    """The first steps through the eyes of each rank: its loss, its tokens, its gradient. (Under
+    model splitting one rank of each replica counts its loss: share 1, the others 0.)"""
     local_tokens = sum(micro_tokens)
     # Both normalizations of this very step: the exact global mean, and the mean of per-rank means.
     loss_total, means_total, global_tokens = all_reduce_sum(d, [local_loss_sum, local_loss_sum / local_tokens,
-                                                                local_tokens])  # fmt: skip
+                                                                local_tokens * share])  # fmt: skip
     bucketed = bool(stats.local_grads)  # DDP's buckets; under --sharding full there are none to show
     if step == 1 and bucketed:
         log_buckets(d, stats, "[inspect] gradient buckets at step 1 (a bucket is all-reduced as soon as all its "
                               "gradients are ready):")  # fmt: skip
     local = f"step {step}: local loss {local_loss_sum / local_tokens:.4f} over {local_tokens} tokens " \
             f"({'+'.join(map(str, micro_tokens))} in {len(micro_tokens)} micro-step(s))"  # fmt: skip
+    if not share:  # a tensor slice that is not its group's first, or a pipeline stage before the last
+        local = f"step {step}: its replica's {local_tokens} tokens pass through here; another rank counts their loss"
     print_in_rank_order(d, [local, *([f"step {step}: {describe_local_gradient(stats, named_params)}"] * bucketed)])
     log(d, f"[inspect] step {step}: global-token mean loss {loss_total / global_tokens:.4f} over "
-           f"{int(global_tokens)} tokens; mean of per-rank means {means_total / d.world_size:.4f}; this step "
+           f"{int(global_tokens)} tokens; mean of per-rank means {means_total / d.dp:.4f}; this step "
            f"all-reduced {sent[0]} bucket(s), {sent[1] / 2**20:.3f} MiB ({cfg.loss_normalization} normalization "
            "is training)")  # fmt: skip
     if stats.layout_changed:
@@ -4602,12 +4686,13 @@ def report_inspect_step(cfg: RunConfig, d: Dist, step: int, stats: CommStats, se
 Span = tuple[str, float, float, dict]  # (name, start, end, args): seconds on one rank's clock
 
 
-# What a timeline draws on its communication lanes: DDP's all-reduces; FSDP's all-gathers of
-# weights (before forward and again before backward) and reduce-scatters of gradients.
-COMMUNICATION = ("all-reduce", "all-gather", "reduce-scatter")
+# What a timeline draws on its communication lanes: DDP's and tensor parallelism's all-reduces;
+# FSDP's all-gathers of weights (before forward and again before backward) and reduce-scatters of
+# gradients; a pipeline's sends and receives of activations and their gradients.
+COMMUNICATION = ("all-reduce", "all-gather", "reduce-scatter", "send", "recv")
 PHASE_COLOURS = {"data": "#b0b0b0", "forward": "#4c72b0", "backward": "#55a868", "sync": "#dd8452",
-                 "optimizer": "#8172b3", "all-reduce": "#c44e52", "all-gather": "#937860",
-                 "reduce-scatter": "#da8bc3"}  # fmt: skip
+                 "optimizer": "#8172b3", "bubble": "#eeeeee", "all-reduce": "#c44e52", "all-gather": "#937860",
+                 "reduce-scatter": "#da8bc3", "send": "#64b5cd", "recv": "#ccb974"}  # fmt: skip
 
 
 class Timeline:
@@ -4747,6 +4832,18 @@ def hidden_shares(ranks: list[list[Span]]) -> str:
     return ", ".join(f"rank {r} {100 * h:.0f}%" for r, h in enumerate(hidden) if h is not None)
 
 
+def bubble_shares(ranks: list[list[Span]]) -> str:
+    """Each pipeline stage's idle share of its traced steps: the time it waited for a neighbour."""
+
+    def seconds(spans: list[Span], named: Callable[[str], bool]) -> float:
+        return sum(b - a for n, a, b, _ in spans if named(n))
+
+    idle = [
+        seconds(spans, lambda n: n == "bubble") / seconds(spans, lambda n: n.startswith("step ")) for spans in ranks
+    ]
+    return ", ".join(f"rank {r} {100 * share:.0f}%" for r, share in enumerate(idle))
+
+
 def describe_overlap(ranks: list[list[Span]]) -> str:
     """What the trace shows of communication hidden behind compute, for the summary."""
     if len(ranks) == 1:
@@ -4825,9 +4922,15 @@ def timeline_figure(plt: object, cfg: RunConfig, ranks: list[list[Span]]) -> obj
     shares, sharded = hidden_shares(ranks), cfg.sharding == "full"
     note = f"\n{'communication hidden behind compute' if sharded else 'all-reduce hidden behind backward'}: {shares}"
     how = "--sharding full" if sharded else f"{cfg.bucket_mb:g} MiB buckets"
-    ax.set_title(f"{cfg.model} model, --ddp {cfg.ddp}, {how}{note if shares else ''}", fontsize=10, pad=14)
+    if cfg.tp > 1:  # its all-reduces sit inside forward and backward, which wait for them: nothing hides
+        how, note = f"--tp {cfg.tp}", "\ntensor-parallel all-reduces inside forward and backward"
+    if cfg.pp > 1:
+        how = f"--pp {cfg.pp} ({cfg.pp_schedule})"
+        note = f"\nidle, waiting for a neighbour (the bubble): {bubble_shares(ranks)}"
+    ax.set_title(f"{cfg.model} model, --ddp {cfg.ddp}, {how}{note if shares or cfg.tp * cfg.pp > 1 else ''}",
+                 fontsize=10, pad=14)  # fmt: skip
     drawn = {name for spans in ranks for name, *_ in spans}
-    shown = {k: c for k, c in PHASE_COLOURS.items() if k not in COMMUNICATION or k in drawn}
+    shown = {k: c for k, c in PHASE_COLOURS.items() if (k not in COMMUNICATION and k != "bubble") or k in drawn}
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in shown.values()]
     fig.legend(handles, list(shown), loc="outside lower center", ncol=len(shown), frameon=False)
     return fig
@@ -4983,7 +5086,7 @@ class SideWork:
             if self.cuda:
                 torch.cuda.synchronize()
             now = time.perf_counter()
-            self.phase_seconds[phase] += now - self.last
+            self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + now - self.last  # (a pipeline's bubble)
             self.last = now
 
     def take_times(self, steps: int) -> dict[str, float]:
@@ -4995,15 +5098,15 @@ class SideWork:
     def loss(self, micro_loss: torch.Tensor) -> torch.Tensor:
         return micro_loss * float("nan") if self.fault == "nan" else micro_loss
 
-    def gradients_synced(self, step: int, named_params: list, sent: tuple[int, int], local_loss_sum: torch.Tensor,
-                         micro_tokens: list[int]) -> None:  # fmt: skip
+    def gradients_synced(self, step: int, model: Replicas, named_params: list, sent: tuple[int, int],
+                         local_loss_sum: torch.Tensor, micro_tokens: list[int]) -> None:  # fmt: skip
         if self.fault == "desync":  # pretend this rank's gradient sync silently went wrong
             named_params[0][1].grad.add_(1e-3)
         if step == 1:
             check_gradients_arrived(self.kit.model, self.d)
         if self.stats.local_grads is not None:  # the averaged gradient as the all-reduce left it, before clipping
             report_inspect_step(self.cfg, self.d, step, self.stats, sent, named_params, local_loss_sum.item(),
-                                micro_tokens)  # fmt: skip
+                                micro_tokens, model.split.loss_share)  # fmt: skip
 
     def verifying(self, step: int) -> bool:
         return bool(self.cfg.verify_sync and step % self.cfg.verify_sync == 0)
@@ -5145,10 +5248,11 @@ def announce_run(cfg: RunConfig, d: Dist, sampler: DistributedSampler, steps_per
         print_in_rank_order(d, describe_shards(sampler) + model.ownership(named_params, optimizer))
 
 
-def sent_in_buckets(cfg: RunConfig, d: Dist, calls: int, nbytes: int) -> dict[str, int]:
-    """The step's all-reduce count and bytes, for the log and metrics. Under --sharding full no
-    bucket is all-reduced: the weights are gathered, the gradients scattered."""
-    return {} if cfg.sharding == "full" and d.distributed else {"allreduce_calls": calls, "allreduce_bytes": nbytes}
+def sent_in_buckets(model: Replicas, calls: int, nbytes: int) -> dict[str, int]:
+    """The step's all-reduce count and bytes, for the log and metrics, where gradients travel in DDP's
+    buckets. Under --sharding full the weights are gathered and the gradients scattered; a model split
+    over every rank, with no replica to average with, sends none."""
+    return {"allreduce_calls": calls, "allreduce_bytes": nbytes} if model.all_reduces_buckets else {}
 
 
 def evaluation_due(cfg: RunConfig, kit: ModelKit, step: int) -> bool:
@@ -5370,8 +5474,10 @@ def loss_figure(plt: object, cfg: RunConfig, history: list[dict[str, float]]) ->
 def predict_memory(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
     """Bytes per rank by the ZeRO arithmetic (Rajbhandari et al. 2019, padding aside), for this
     run's dtypes: weights and gradients at the weights' dtype, AdamW two moments of the same."""
-    n = d.world_size if d.distributed else 1
-    params = list(kit.trained.parameters())
+    n = d.dp if d.distributed else 1  # sharding is along the replicas
+    # A pipeline stage holds its own blocks (its part is cut out later); tensor parallelism has cut its slices already.
+    layers = len(kit.blocks)
+    params = [p for name, p in kit.trained.named_parameters() if d.pp == 1 or stage_of(name, layers, d.pp) == d.pp_rank]
     trainable = [p for p in params if p.requires_grad]
     moments = 2 if cfg.optimizer == "adamw" else 0  # plain SGD keeps no state
     whole = {
@@ -5423,6 +5529,7 @@ def measure_memory(
         "optimizer_state": storage_bytes(t for s in state for t in s.values() if torch.is_tensor(t)),
         "peak": rss if cuda is None else cuda,  # the peak CUDA allocation on a GPU, else the peak resident set
         "peak_rss": rss,
+        "holds": model.split.holdings(),
         **predicted,
     }
     ranks = [mine]
@@ -5437,7 +5544,8 @@ def describe_memory(cfg: RunConfig, d: Dist, ranks: list[dict]) -> str:
     strategy = cfg.sharding if d.distributed else "none (one process)"
     lines = [
         f"[memory] per rank, MiB, measured (predicted by the ZeRO arithmetic for --sharding {strategy}, "
-        f"N={d.world_size}; weights, gradients and moments in the weights' dtype, no padding):",
+        f"N={d.dp}{' replicas of the split model' if d.tp * d.pp > 1 else ''}; weights, gradients and moments in "
+        "the weights' dtype, no padding):",
         f"  rank  {'parameters':>18}  {'gradients':>18}  {'optimizer state':>18}  {'state vs predicted':>18}  "
         f"{'largest unit':>12}  {'peak ' + ('CUDA' if d.device.type == 'cuda' else 'RSS'):>10}",
     ]
@@ -5447,11 +5555,22 @@ def describe_memory(cfg: RunConfig, d: Dist, ranks: list[dict]) -> str:
         off = f"{100 * (measured - predicted) / predicted:+.1f}%" if predicted else "-"
         lines.append(f"  {r['rank']:>4}  {cells[0]:>18}  {cells[1]:>18}  {cells[2]:>18}  {off:>18}  "
                      f"{mib(r['largest_unit']) if r['largest_unit'] else '-':>12}  {mib(r['peak']):>10}")  # fmt: skip
+    if d.tp * d.pp > 1:  # model splitting: what each rank holds of its replica's model
+        lines += [f"  rank {r['rank']} holds {r['holds']}" for r in ranks]
     return "\n".join(lines)
 
 
 def mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:,.2f}"
+
+
+def describe_traffic(cfg: RunConfig, traffic: dict[str, tuple[float, float]]) -> str:
+    """What rank 0's collectives moved per optimizer step, by kind (calls, MiB)."""
+    shown = "; ".join(f"{kind} {calls:g} call(s), {mib(nbytes)} MiB" for kind, (calls, nbytes) in traffic.items())
+    unseen = [what for what, on in (("fully_shard", cfg.sharding == "full"), ("tensor parallelism", cfg.tp > 1),
+                                    ("pipelining", cfg.pp > 1)) if on and cfg.ddp == "torch"]  # fmt: skip
+    unseen_note = f" (and torch's {' and '.join(unseen)}, whose collectives it does not see)" if unseen else ""
+    return f"rank 0: {shown or 'nothing'}{unseen_note}"
 
 
 def print_summary(cfg: RunConfig, d: Dist, result: TrainResult, wall_seconds: float, outputs: list[Path]) -> None:
@@ -5474,6 +5593,7 @@ def print_summary(cfg: RunConfig, d: Dist, result: TrainResult, wall_seconds: fl
         ("train loss", train_loss),
         ("val loss", f"{last_val['val_loss']:.4f} at step {last_val['step']}" if last_val else "- (no held-out lines)"),
         ("peak memory", peaks),
+        ("sent per step", describe_traffic(cfg, result.traffic)),
         *(
             [("communication" if sharded_trace else "all-reduce", describe_overlap(result.trace))]
             if result.trace
