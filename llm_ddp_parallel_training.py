@@ -4857,6 +4857,20 @@ def describe_overlap(ranks: list[list[Span]]) -> str:
     return f"hidden behind backward: {per_rank} of the time a bucket was in flight ({steps} traced steps)"
 
 
+def describe_trace(cfg: RunConfig, ranks: list[list[Span]]) -> tuple[str, str]:
+    """The summary's row on what the trace shows: under a model split, what its communication
+    costs (a tensor-parallel all-reduce sits inside forward and backward, which wait for it; a
+    pipeline stage idles while it fills and drains); otherwise how much of it hid behind compute."""
+    if cfg.pp > 1:
+        s, m = cfg.pp, cfg.grad_accum_steps
+        ideal = f"{100 * (s - 1) / (m + s - 1):.0f}% for {s} stages and {m} micro-batches"
+        return "pipeline bubble", f"idle, waiting for a neighbour: {bubble_shares(ranks)} (ideal {ideal})"
+    if cfg.tp > 1:
+        return "tensor parallel", "its all-reduces sit inside forward and backward, which wait for them"
+    sharded = any(name == "all-gather" for name, *_ in ranks[0])
+    return "communication" if sharded else "all-reduce", describe_overlap(ranks)
+
+
 def communication_lanes(spans: list[Span]) -> list[tuple[Span, int]]:
     """The communication spans in time order, each with a lane, so spans sharing a lane never
     overlap: a bucket handed over while the previous one is still in flight waits its turn on the
@@ -5584,7 +5598,6 @@ def print_summary(cfg: RunConfig, d: Dist, result: TrainResult, wall_seconds: fl
     cuda = d.device.type == "cuda"
     peaks = "; ".join(f"rank {r['rank']}: {r['peak_rss'] / 2**20:,.0f} MiB RSS"
                       + (f", {r['peak'] / 2**30:.2f} GiB CUDA" if cuda else "") for r in memory)  # fmt: skip
-    sharded_trace = result.trace and any(name == "all-gather" for name, *_ in result.trace[0])
     rows = [
         ("steps", f"{result.progress.step:,} x global batch {global_batch(cfg, d)}"),
         ("tokens seen", f"{result.progress.tokens_seen:,} (real, non-padding)"),
@@ -5594,11 +5607,7 @@ def print_summary(cfg: RunConfig, d: Dist, result: TrainResult, wall_seconds: fl
         ("val loss", f"{last_val['val_loss']:.4f} at step {last_val['step']}" if last_val else "- (no held-out lines)"),
         ("peak memory", peaks),
         ("sent per step", describe_traffic(cfg, result.traffic)),
-        *(
-            [("communication" if sharded_trace else "all-reduce", describe_overlap(result.trace))]
-            if result.trace
-            else []
-        ),
+        *([describe_trace(cfg, result.trace)] if result.trace else []),
         ("outputs", ", ".join(str(p) for p in outputs)),
     ]
     width = max(len(k) for k, _ in rows)
