@@ -6251,7 +6251,8 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
     kit = build_kit(cfg, d, corpus.subset(~val), corpus.subset(val))
     # Initialisation used --seed alone: the replicas start identical. Dropout must not: W ranks
     # dropping the same units of their different examples is not one process with a W-times batch.
-    torch.manual_seed(cfg.seed + d.rank)
+    # A tensor-parallel group's ranks compute one replica's activations together: one seed for them.
+    torch.manual_seed(cfg.seed + d.rank // d.tp)
     log(
         d,
         f"[data] {cfg.dataset or cfg.corpus_file}: {len(val) - val.sum()} training {describe_records(corpus.fmt)} -> "
