@@ -769,6 +769,7 @@ class ModelKit:
     loss_module: nn.Module | None = None  # what DDP wraps and `loss` runs, if not the model (LeanHeadLoss, section 12)
     blocks: list[nn.Module] = field(default_factory=list)  # the Transformer blocks: FSDP's units
     reload: Callable[[Path], nn.Module] | None = None  # save_final's output read back, as a plain model
+    split: object | None = None  # a model that arrives split, as transformers' tp_plan loads it (section 12)
 
     @property
     def trained(self) -> nn.Module:
@@ -2181,7 +2182,10 @@ class TensorParallel(WholeModel):
         return norm
 
     def whole_state_dict(self, d: Dist, raw: nn.Module) -> dict | None:
-        state = {name: self.whole(name, t) for name, t in raw.state_dict(keep_vars=True).items()}
+        whole: dict[int, torch.Tensor] = {}  # by tensor: tied weights stay one tensor
+        state = {
+            name: whole.setdefault(id(t), self.whole(name, t)) for name, t in raw.state_dict(keep_vars=True).items()
+        }
         return to_cpu(state) if d.is_main else None
 
     def ownership(self, named_params: list) -> list[str]:
@@ -2447,6 +2451,8 @@ class StageSplit(WholeModel):
 
 def split_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats) -> WholeModel | None:
     """Tensor parallelism applied to the model in place, before the data-parallel wrapper takes it."""
+    if kit.split is not None:
+        return kit.split
     return TensorParallel(kit.model, d, cfg.ddp == "manual", stats) if d.tp > 1 else None
 
 
@@ -4172,6 +4178,8 @@ def build_pretrained_kit(
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
+    if lora and d.tp > 1:
+        check_lora_under_tp(model, cfg.lora_targets)
     model = (add_lora(cfg, model) if lora else model).to(d.device)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
@@ -4184,7 +4192,8 @@ def build_pretrained_kit(
             # LoRA: adapter_config.json + adapter_model.safetensors only. Full: the whole model,
             # config and weights, as from_pretrained reads it. (save_pretrained empties a
             # state_dict it is given, hence the copy.)
-            raw.save_pretrained(tmp, state_dict=dict(whole) if whole else None)
+            with saved_as_one_process(raw):
+                raw.save_pretrained(tmp, state_dict=dict(whole) if whole else None)
             tokenizer.save_pretrained(tmp)
         return path
 
@@ -4244,6 +4253,7 @@ def build_pretrained_kit(
         + f": {trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.3f}%)",
         blocks=list(decoder_layers(model)),
         reload=functools.partial(reload_pretrained, cfg, dtype, d.device),
+        split=PlannedTensorParallel(model, d) if d.tp > 1 else None,
         data_report=f"{counts['truncated']} cut to --seq-len {cfg.seq_len}, "
         f"{counts['dropped']} dropped with no target token left",
     )
@@ -4277,7 +4287,15 @@ def add_lora(cfg: RunConfig, model: nn.Module) -> nn.Module:
     )
     # Trainability is settled before DDP wraps the model: DDP registers its gradient hooks on
     # the parameters that require grad when it is built, and only those ever travel.
-    return get_peft_model(model, lora)
+    model = get_peft_model(model, lora)
+    # A drawn again, layer by layer from the seed, as PEFT draws it: PEFT's own draws sit between
+    # the creation of layers whose sizes --tp changes, so its A would differ from one process's.
+    torch.manual_seed(cfg.seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_A." in name:
+                nn.init.kaiming_uniform_(p, a=math.sqrt(5))
+    return model
 
 
 def causal_lm(model: nn.Module) -> nn.Module:
@@ -4425,13 +4443,66 @@ def load_pretrained(cfg: RunConfig, d: Dist, dtype: torch.dtype) -> tuple[PreTra
         )
     folder = resolve_model_files(cfg, d)
     tokenizer = load_tokenizer(cfg, folder)
+    # --tp: transformers cuts the weights by the model's own tensor-parallel plan as it loads them,
+    # over a mesh of its own making that spans every rank.
+    if d.tp > 1 and d.tp != d.world_size:
+        raise UsageError(f"--tp {d.tp} on {d.world_size} ranks with --model hf: transformers' plan splits the model "
+                         f"over every rank; give --tp {d.world_size} (data parallelism beside it: the tiny model)")  # fmt: skip
+    split = {"distributed_config": transformers.DistributedConfig(tp_plan="auto", tp_size=d.tp)} if d.tp > 1 else {}
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            folder, dtype=dtype, attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code
+            folder,
+            dtype=dtype,
+            attn_implementation=cfg.attn_implementation,
+            trust_remote_code=cfg.trust_remote_code,
+            **split,
         )
     except (OSError, ValueError, ImportError) as e:
         raise UsageError(unsupported_attention(cfg, e) or f"cannot load model from {folder}: {first_line(e)}") from None
+    if split and not getattr(model.config, "base_model_tp_plan", None):
+        raise UsageError(f"--tp {d.tp}: transformers has no tensor-parallel plan for {model.config.model_type} models")
     return tokenizer, model
+
+
+class PlannedTensorParallel(TensorParallel):
+    """A pretrained model under transformers' own tensor-parallel plan (the config's
+    base_model_tp_plan, Megatron's layout: q, k, v, gate and up by output rows, o and down by input
+    columns), applied by from_pretrained(tp_plan="auto"): each sliced weight arrives as a DTensor
+    cut along one dimension, so gathering, cutting and clipping work as for the tiny model's."""
+
+    def __init__(self, model: nn.Module, d: Dist) -> None:
+        self.group, self.n, self.rank, self.model = d.group("tp"), d.tp, d.tp_rank, model
+        self.loss_share = float(d.tp_rank == 0)  # the head gathers its output: every slice computed the loss
+        self.cuts = {name: (t.placements[0].dim, 1) for name, t in model.state_dict(keep_vars=True).items()
+                     if hasattr(t, "placements") and t.placements[0].is_shard()}  # fmt: skip
+
+    def holdings(self) -> str:
+        return (
+            f"slice {self.rank} of {self.n} of each layer's projections, as the model's tensor-parallel plan cuts them"
+        )
+
+
+@contextlib.contextmanager
+def saved_as_one_process(model: nn.Module) -> Iterator[None]:
+    """transformers' save_pretrained of a tensor-parallel model gathers the slices itself and then
+    meets every rank at a barrier; here rank 0 alone writes the whole state the wrapper gathered,
+    so the model forgets its distributed config while it does (a setting never written to config.json)."""
+    config = causal_lm(model).config
+    kept, config.distributed_config = getattr(config, "distributed_config", None), None
+    try:
+        yield
+    finally:
+        config.distributed_config = kept
+
+
+def check_lora_under_tp(model: nn.Module, targets: tuple[str, ...]) -> None:
+    """PEFT adds a LoRA branch's full output to a column-parallel layer's (probed: exact), but not
+    to a row-parallel one's partial sums, where it fails on the shapes: refused before that."""
+    plan = causal_lm(model).config.base_model_tp_plan
+    rows = sorted({key.rsplit(".", 1)[-1] for key, style in plan.items() if style.startswith("rowwise")})
+    if hit := [t for t in targets if t in rows or t == ALL_LINEAR]:
+        raise UsageError(f"--lora-targets {','.join(hit)} under --tp: PEFT cannot add LoRA to the row-parallel "
+                         f"layers ({', '.join(rows)}); target the column-parallel ones, such as q_proj,v_proj")  # fmt: skip
 
 
 def unsupported_attention(cfg: RunConfig, error: BaseException) -> str | None:
