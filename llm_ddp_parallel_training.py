@@ -4446,8 +4446,10 @@ def load_pretrained(cfg: RunConfig, d: Dist, dtype: torch.dtype) -> tuple[PreTra
     # --tp: transformers cuts the weights by the model's own tensor-parallel plan as it loads them,
     # over a mesh of its own making that spans every rank.
     if d.tp > 1 and d.tp != d.world_size:
-        raise UsageError(f"--tp {d.tp} on {d.world_size} ranks with --model hf: transformers' plan splits the model "
-                         f"over every rank; give --tp {d.world_size} (data parallelism beside it: the tiny model)")  # fmt: skip
+        raise UsageError(
+            f"--tp {d.tp} on {d.world_size} ranks with --model hf: transformers' plan splits the model over every "
+            f"rank; give --tp {d.world_size} (data parallelism beside it: the tiny model)"
+        )
     split = {"distributed_config": transformers.DistributedConfig(tp_plan="auto", tp_size=d.tp)} if d.tp > 1 else {}
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -4501,8 +4503,10 @@ def check_lora_under_tp(model: nn.Module, targets: tuple[str, ...]) -> None:
     plan = causal_lm(model).config.base_model_tp_plan
     rows = sorted({key.rsplit(".", 1)[-1] for key, style in plan.items() if style.startswith("rowwise")})
     if hit := [t for t in targets if t in rows or t == ALL_LINEAR]:
-        raise UsageError(f"--lora-targets {','.join(hit)} under --tp: PEFT cannot add LoRA to the row-parallel "
-                         f"layers ({', '.join(rows)}); target the column-parallel ones, such as q_proj,v_proj")  # fmt: skip
+        raise UsageError(
+            f"--lora-targets {','.join(hit)} under --tp: PEFT cannot add LoRA to the row-parallel layers "
+            f"({', '.join(rows)}); target the column-parallel ones, such as q_proj,v_proj"
+        )
 
 
 def unsupported_attention(cfg: RunConfig, error: BaseException) -> str | None:
