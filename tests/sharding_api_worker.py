@@ -369,7 +369,7 @@ def fsdp_run(units: str, optimizer: str, steps: int, param_dtype: torch.dtype | 
         opt.zero_grad()
         for i, (x, y) in enumerate(batches):
             accumulating = i < len(batches) - 1
-            with t.no_sync(model) if accumulating else contextlib.nullcontext():
+            with model.no_sync() if accumulating else contextlib.nullcontext():
                 logits = model(x)
                 loss_of(logits, y).backward()
             if step == 0 and i == 0:
@@ -380,14 +380,14 @@ def fsdp_run(units: str, optimizer: str, steps: int, param_dtype: torch.dtype | 
                     for n, p in module.named_parameters()
                     if n not in sharded
                 }
-        t.finish_gradient_sync(model)
+        model.finish_gradient_sync()  # ManualFSDP waits for its reduce-scatters here
         if step == 0:
             facts["gradients"] = {n: grad_facts(p, ref_grads[n], n in sharded) for n, p in module.named_parameters()}
         opt.step()
         ref_opt.step()
 
     facts["data_dtypes_after_training"] = {n: str(p.data.dtype) for n, p in module.named_parameters()}
-    full = t.gather_full_parameters(model)
+    full = {n: model.whole(p) for n, p in model.module.named_parameters()}  # a collective: every rank gathers
     facts["gathered_keys"] = list(full)
     facts["gathered_shapes"] = {n: list(v.shape) for n, v in full.items()}
     facts["gathered_dtypes"] = {n: str(v.dtype) for n, v in full.items()}

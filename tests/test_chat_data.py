@@ -1,5 +1,11 @@
 """Chat data for the Qwen path: the JSONL schemas users bring, assistant-only targets derived from
-the chat template itself, truncation, --show-examples, and DDP training on conversations."""
+the chat template itself, truncation, --show-examples, and DDP training on conversations.
+
+A bad record or an unusable conversation ends every rank with one line naming its file and line;
+padding and packing never change what a real position computes (sdpa, and the flash-attention path
+emulated on a CPU); the lean head gives the full logits' loss and gradients; packed chat training
+resumes bit-exactly after a killed worker. The runs whose subject is not the launch share one launch
+per kind (2 ranks, one plain process); the resume after a kill keeps a launch of its own."""
 
 from __future__ import annotations
 
@@ -11,7 +17,8 @@ import re
 
 import pytest
 import torch
-from conftest import TINY, assert_ok, launch, run_cmd, torchrun_cmd
+from conftest import TINY, assert_ok, run_cmd, torchrun_cmd
+from shared_launch import Shared, error_lines, share
 from test_qwen_lora import qwen_args, saved_adapter
 
 import llm_ddp_parallel_training as t
@@ -45,6 +52,52 @@ def tokenizer(tiny_qwen):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_qwen)
+
+
+BAD_RECORD = '{"messages": "oops"}'  # on line 2, after a good conversation
+PACKED_RESUME_FLAGS = ["--seq-len", "256", "--pack", "--max-steps", "6", "--save-every", "2", "--verify-sync", "1"]
+UNUSABLE = [
+    ({"messages": [{"role": "assistant", "content": "I start"}, {"role": "user", "content": "ok"},
+                   {"role": "assistant", "content": "end"}]}, "opens with an assistant turn"),
+    ({"messages": [{"role": "user", "content": "Hi \ud800"}, {"role": "assistant", "content": "x"}]},
+     "field 'content' is not valid text"),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_qwen, chat_file, tmp_path_factory) -> Shared:
+    """This module's 2-rank runs, in one launch: a file with a bad record, training on conversations,
+    and the uninterrupted packed run the resume test compares with."""
+    root = tmp_path_factory.mktemp("chat_two_ranks")
+    bad = root / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": REPLIES}) + "\n" + BAD_RECORD + "\n")
+    jobs = {
+        "bad_record": qwen_args(tiny_qwen, root / "bad_record", "--corpus-file", bad),
+        "conversations": qwen_args(tiny_qwen, root / "conversations", "--corpus-file", chat_file, "--seq-len", "96",
+                                   "--max-steps", "6", "--log-every", "1", "--verify-sync", "1"),
+        "whole": qwen_args(tiny_qwen, root / "whole", "--corpus-file", chat_file, *PACKED_RESUME_FLAGS),
+    }  # fmt: skip
+    return share(root, jobs, nproc=2)
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_qwen, chat_file, tmp_path_factory) -> Shared:
+    """This module's plain-process runs, in one launch: chat records for the tiny byte model,
+    --show-examples, conversations that cannot be used, eager and flash attention."""
+    root = tmp_path_factory.mktemp("chat_one_process")
+    shown = write_jsonl(root / "shown.jsonl", [{"messages": REPLIES}, {"messages": REPLIES[:2]}])
+    jobs = {
+        "tiny": [*TINY, "--corpus-file", chat_file, "--output-dir", root / "tiny"],
+        "show_examples": qwen_args(tiny_qwen, root / "show_examples", "--corpus-file", shown, "--seq-len", "256",
+                                   "--show-examples", "1"),
+        "eager": qwen_args(tiny_qwen, root / "eager", "--attn-implementation", "eager", "--max-steps", "2"),
+        "flash": qwen_args(tiny_qwen, root / "flash", "--attn-implementation", "flash_attention_2"),
+    }  # fmt: skip
+    for k, (record, _) in enumerate(UNUSABLE):
+        path = root / f"unusable_{k}.json"  # .json is read as JSON lines too
+        path.write_text(json.dumps({"messages": REPLIES}) + "\n" + json.dumps(record) + "\n")
+        jobs[f"unusable_{k}"] = qwen_args(tiny_qwen, root / f"unusable_{k}", "--corpus-file", path, "--seq-len", "256")
+    return share(root, jobs, nproc=None)
 
 
 @pytest.mark.parametrize(
@@ -86,18 +139,16 @@ def test_a_bad_record_is_named_by_file_and_line(tmp_path, line, expected):
         t.read_records(path, "auto")
 
 
-def test_a_bad_record_ends_every_rank_with_one_line_before_training(tiny_qwen, tmp_path):
-    path = tmp_path / "bad.jsonl"
-    path.write_text(json.dumps({"messages": REPLIES}) + "\n" + '{"messages": "oops"}\n')
-    run = launch(qwen_args(tiny_qwen, tmp_path, "--corpus-file", str(path)), nproc=2)
-    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
-    assert run.returncode != 0 and "exitcode  : 2" in run.stderr
+def test_a_bad_record_ends_every_rank_with_one_line_before_training(two_ranks):
+    run, path = two_ranks["bad_record"], two_ranks.root / "bad.jsonl"
+    errors = error_lines(run)
+    assert run.returncode != 0 and run.codes == (2, 2), "every rank exits with the usage-error code"
     assert len(errors) == 1 and f"{path}:2: field 'messages' must be a non-empty list" in errors[0], run.stderr
     assert "step " not in run.stdout
 
 
-def test_the_tiny_byte_model_refuses_chat_records(chat_file, tmp_path):
-    run = launch([*TINY, "--corpus-file", chat_file, "--output-dir", str(tmp_path)])
+def test_the_tiny_byte_model_refuses_chat_records(one_process):
+    run = one_process["tiny"]
     assert run.returncode == 2 and "holds messages records; the tiny byte model trains on text" in run.stderr
 
 
@@ -153,35 +204,32 @@ def test_truncation_keeps_the_start_and_drops_records_left_without_a_target(toke
         t.encode_records_with_tokenizer([replies, question], tokenizer, seq_len=8)
 
 
-def test_show_examples_prints_records_in_file_order_with_targets_bracketed(tiny_qwen, tmp_path):
-    path = write_jsonl(tmp_path / "c.jsonl", [{"messages": REPLIES}, {"messages": REPLIES[:2]}])
-    run = launch(qwen_args(tiny_qwen, tmp_path, "--corpus-file", path, "--seq-len", "256", "--show-examples", "1"))
+def test_show_examples_prints_records_in_file_order_with_targets_bracketed(one_process):
+    run = one_process["show_examples"]
     assert_ok(run)
     assert run.stdout.count("--- example ") == 1 and "--- example 1: " in run.stdout
     body = run.stdout.split("--- example 1: ")[1]
     assert re.findall(r"\[\[(.*?)\]\]", body, re.S) == [
         "Every rank, in the all-reduce.<|im_end|>", "Each divides by the world size.<|im_end|>"]  # fmt: skip
     assert "<|im_start|>user\nWho sums the gradients?<|im_end|>" in body
-    assert not (tmp_path / "qwen_lora").exists(), "--show-examples trains nothing"
+    assert not (one_process.out("show_examples") / "qwen_lora").exists(), "--show-examples trains nothing"
 
 
-def test_two_ranks_train_on_conversations_and_the_sample_is_a_reply(tiny_qwen, chat_file, tmp_path):
-    run = launch(qwen_args(tiny_qwen, tmp_path, "--corpus-file", chat_file, "--seq-len", "96", "--max-steps", "6",
-                           "--log-every", "1", "--verify-sync", "1"), nproc=2)  # fmt: skip
+def test_two_ranks_train_on_conversations_and_the_sample_is_a_reply(two_ranks):
+    run = two_ranks["conversations"]
     assert_ok(run)
     assert re.search(r"training messages records -> \d+ examples of 96 tokens; \d+ cut to --seq-len 96", run.stdout)
     assert "[sample] Each rank -> " in run.stdout
 
 
-def test_packed_chat_training_resumes_bit_exactly_after_a_killed_worker(tiny_qwen, chat_file, tmp_path):
-    flags = ["--corpus-file", chat_file, "--seq-len", "256", "--pack", "--max-steps", "6", "--save-every", "2",
-             "--verify-sync", "1"]  # fmt: skip
-    assert_ok(launch(qwen_args(tiny_qwen, tmp_path / "whole", *flags), nproc=2))
-    faulted = qwen_args(tiny_qwen, tmp_path / "faulted", *flags, "--inject-fault", "0:5")
+def test_packed_chat_training_resumes_bit_exactly_after_a_killed_worker(tiny_qwen, chat_file, two_ranks, tmp_path):
+    assert_ok(two_ranks["whole"])  # the uninterrupted run, in the shared launch
+    faulted = qwen_args(tiny_qwen, tmp_path / "faulted", "--corpus-file", chat_file, *PACKED_RESUME_FLAGS,
+                        "--inject-fault", "0:5")  # fmt: skip
     run = run_cmd(torchrun_cmd(2, faulted, ["--standalone", "--max-restarts=1"]), timeout=240)
     assert_ok(run)
     assert "step_00000004 (step 4" in run.stdout
-    whole, resumed = saved_adapter(tmp_path / "whole")[1], saved_adapter(tmp_path / "faulted")[1]
+    whole, resumed = saved_adapter(two_ranks.out("whole"))[1], saved_adapter(tmp_path / "faulted")[1]
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
 
 
@@ -260,19 +308,12 @@ def test_the_lean_head_gives_the_full_logits_loss_and_gradients(tiny_qwen, chat_
     assert worst <= 1e-5
 
 
-@pytest.mark.parametrize(
-    "record, expected",
-    [({"messages": [{"role": "assistant", "content": "I start"}, {"role": "user", "content": "ok"},
-                    {"role": "assistant", "content": "end"}]}, "opens with an assistant turn"),
-     ({"messages": [{"role": "user", "content": "Hi \ud800"}, {"role": "assistant", "content": "x"}]},
-      "field 'content' is not valid text")],
-)  # fmt: skip
-def test_a_conversation_that_cannot_be_used_is_one_line_naming_its_record(tiny_qwen, tmp_path, record, expected):
-    path = tmp_path / "c.json"  # .json is read as JSON lines too
-    path.write_text(json.dumps({"messages": REPLIES}) + "\n" + json.dumps(record) + "\n")
-    run = launch(qwen_args(tiny_qwen, tmp_path, "--corpus-file", str(path), "--seq-len", "256"))
+@pytest.mark.parametrize("record, expected", UNUSABLE)
+def test_a_conversation_that_cannot_be_used_is_one_line_naming_its_record(one_process, record, expected):
+    job = f"unusable_{UNUSABLE.index((record, expected))}"
+    run, path = one_process[job], one_process.root / f"{job}.json"
     assert run.returncode == 2
-    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    errors = error_lines(run)
     assert len(errors) == 1 and f"{path}:2: " in errors[0] and expected in errors[0], run.stderr
 
 
@@ -297,9 +338,9 @@ def test_a_template_that_trims_replies_targets_the_reply_as_it_renders(tokenizer
     assert trimming.decode([i for i, y in zip(seq.ids, seq.is_target, strict=True) if y]) == "ok<|im_end|>"
 
 
-def test_eager_attention_trains_and_flash_attention_on_cpu_is_one_line(tiny_qwen, tmp_path):
-    assert_ok(launch(qwen_args(tiny_qwen, tmp_path / "eager", "--attn-implementation", "eager", "--max-steps", "2")))
-    run = launch(qwen_args(tiny_qwen, tmp_path / "flash", "--attn-implementation", "flash_attention_2"))
+def test_eager_attention_trains_and_flash_attention_on_cpu_is_one_line(one_process):
+    assert_ok(one_process["eager"])
+    run = one_process["flash"]
     assert run.returncode == 2 and "flash_attention_2 needs a CUDA GPU" in run.stderr
 
 

@@ -8,13 +8,21 @@ float32 rounding, not bitwise: we measured max |dparam| = 1.2e-7 here after 5 st
 1e-5: two orders above rounding, and far below what a real bug costs: doubling the gradient (a
 sum where a mean belongs) moves the weights by 0.29 in this setup, and averaging per-rank means
 instead of counting tokens globally by 7.5e-3 (see the tests below).
+
+What a run does to its gradients does not depend on how it was started: every run here shares one
+2-rank launch, or one plain process for the single-process runs (conftest.run_jobs), each through
+the script's own parse_args() and run(); the dropout probe, which stands in for train(), runs in the
+2-rank launch too (tests/probe_worker.py).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from conftest import TINY, Run, assert_ok, launch, run_cmd, torchrun_cmd
+from conftest import TINY, Run, assert_ok, run_jobs
+from probe_worker import run_jobs_with_probes
 
 import llm_ddp_parallel_training as t
 
@@ -70,13 +78,43 @@ RUNS = {
 }
 
 
+DESYNC = "verify-sync, rank 1 desynchronised at step 2"
+INSPECT = "inspect, 3 steps"
+INSPECT_CLIPPED = "inspect, 2 steps, every step clipped"
+DROPOUT_PROBE = "dropout 0.5, probed where train() starts"
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, tuple[Run, dict[str, torch.Tensor]]]:
-    """Run every configuration once; keep each one's output and final weights."""
-    results, root = {}, tmp_path_factory.mktemp("equivalence")
+def launched(tmp_path_factory) -> dict[str, tuple[Run, Path]]:
+    """Every run of this module, in two launches: one of 2 ranks, one plain process (run_jobs).
+
+    Each configuration of RUNS keeps its own kind of process: the 2-rank ones run on 2 Gloo ranks,
+    the others in one plain process with no process group. Returns each run and its output folder."""
+    root = tmp_path_factory.mktemp("gradients")
+    jobs: dict[int | None, dict[str, list[str]]] = {2: {}, None: {}}
+    outs = {}
     for i, (name, (nproc, flags)) in enumerate(RUNS.items()):
-        out = root / str(i)
-        run = launch([*SGD, *flags, "--output-dir", str(out)], nproc=nproc)
+        outs[name] = root / str(i)
+        jobs[nproc][name] = [*SGD, *flags, "--output-dir", str(outs[name])]
+    extra = {
+        DESYNC: [*SGD, "--verify-sync", "1", "--inject-fault", "1:2:desync"],
+        INSPECT: [*TINY, "--max-steps", "3", "--inspect"],
+        INSPECT_CLIPPED: [*TINY, "--max-steps", "2", "--log-every", "1", "--grad-clip", "0.01", "--inspect"],
+        DROPOUT_PROBE: ["probe:dropout", *TINY, "--dropout", "0.5"],
+    }
+    for name, args in extra.items():
+        outs[name] = root / f"extra{len(outs)}"
+        jobs[2][name] = [*args, "--output-dir", str(outs[name])]
+    ran = {**run_jobs_with_probes(jobs[2], nproc=2, timeout=480), **run_jobs(jobs[None], timeout=300)}
+    return {name: (ran[name], outs[name]) for name in outs}
+
+
+@pytest.fixture(scope="module")
+def runs(launched) -> dict[str, tuple[Run, dict[str, torch.Tensor]]]:
+    """Every configuration of RUNS: its output and final weights."""
+    results = {}
+    for name in RUNS:
+        run, out = launched[name]
         assert_ok(run)
         results[name] = (run, torch.load(out / "tiny_transformer.pt", weights_only=True)["model"])
     return results
@@ -159,18 +197,19 @@ def test_accumulation_all_reduces_once_per_optimizer_step(runs, ddp):
         assert one[0] == "1 bucket(s), 0.12 MiB"
 
 
-def test_verify_sync_stops_every_rank_when_one_rank_diverges(tmp_path):
-    run = launch([*SGD, "--verify-sync", "1", "--inject-fault", "1:2:desync", "--output-dir", str(tmp_path)], nproc=2)
+def test_verify_sync_stops_every_rank_when_one_rank_diverges(launched):
+    run, out = launched[DESYNC]
     assert run.returncode == 1
+    assert run.codes == (1, 1), run.codes  # every rank stopped with the error, none trained on
     errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, run.stderr
     assert "replicas diverged at step 2 (after the gradient all-reduce)" in errors[0]
     assert "first differing tensor grad of tok_emb.weight; rank(s) [1] differ from rank 0" in errors[0]
-    assert not (tmp_path / "tiny_transformer.pt").exists()
+    assert not (out / "tiny_transformer.pt").exists()
 
 
-def test_inspect_reports_shards_buckets_and_gradients_rank_by_rank(tmp_path):
-    run = launch([*TINY, "--max-steps", "3", "--inspect", "--output-dir", str(tmp_path)], nproc=2)
+def test_inspect_reports_shards_buckets_and_gradients_rank_by_rank(launched):
+    run, _ = launched[INSPECT]
     assert_ok(run)
     lines = [line for line in run.stdout.splitlines() if line.startswith("[inspect]")]
     shard_lines = [line for line in lines if "shard:" in line]
@@ -185,12 +224,11 @@ def test_inspect_reports_shards_buckets_and_gradients_rank_by_rank(tmp_path):
         )
 
 
-def test_inspect_shows_the_averaged_gradient_identical_on_every_rank_and_before_clipping(tmp_path):
+def test_inspect_shows_the_averaged_gradient_identical_on_every_rank_and_before_clipping(launched):
     # After the all-reduce every rank holds the same gradient: its norm is the one the step logs
     # (the norm before clipping: with --grad-clip 0.01 every step clips, and a report taken after
     # clipping would read 0.0100).
-    flags = ["--max-steps", "2", "--log-every", "1", "--grad-clip", "0.01", "--inspect"]
-    run = launch([*TINY, *flags, "--output-dir", str(tmp_path)], nproc=2)
+    run, _ = launched[INSPECT_CLIPPED]
     assert_ok(run)
     for step in (1, 2):
         averaged = {
@@ -212,26 +250,9 @@ def test_verify_sync_compares_bit_patterns_so_an_fp16_overflow_step_is_no_diverg
     t.verify_replicas_agree(d, 7, "after the gradient all-reduce", overflowed)
 
 
-DROPOUT_PROBE = """
-import sys, torch
-import llm_ddp_parallel_training as t
-
-def probe(cfg, d, kit, resume, settings):  # stands in for train(): everything before it ran as in a real run
-    weights = torch.cat([p.detach().flatten() for p in kit.model.parameters()])
-    dropped = torch.nn.functional.dropout(torch.ones(4096), p=cfg.dropout, training=True)
-    first, second = t.all_gather_tensor(d, torch.stack([weights[:4096], dropped]))
-    if d.is_main:
-        print("WEIGHTS_EQUAL", torch.equal(first[0], second[0]), "MASKS_EQUAL", torch.equal(first[1], second[1]))
-    raise SystemExit(0)
-
-t.train = probe
-t.main(sys.argv[1:])
-"""
-
-
-def test_ranks_start_with_equal_weights_but_draw_their_own_dropout_masks(tmp_path):
-    probe = tmp_path / "probe.py"
-    probe.write_text(DROPOUT_PROBE)
-    run = run_cmd(torchrun_cmd(2, [*TINY, "--dropout", "0.5", "--output-dir", str(tmp_path)], script=probe), 120)
+def test_ranks_start_with_equal_weights_but_draw_their_own_dropout_masks(launched):
+    # tests/probe_worker.py's dropout probe: everything before train() runs as in a real run, then
+    # rank 0 compares the ranks' first 4096 weights and a dropout mask each rank draws.
+    run, _ = launched[DROPOUT_PROBE]
     assert_ok(run)
     assert "WEIGHTS_EQUAL True MASKS_EQUAL False" in run.stdout, run.output

@@ -1,5 +1,12 @@
 """Beyond Qwen: Llama 3, Gemma, Gemma2, Mistral and Phi-3, each a tiny random model with its own kind of
-tokenizer and its family's stock chat template (tests/tiny_families.py), through --model hf."""
+tokenizer and its family's stock chat template (tests/tiny_families.py), through --model hf.
+
+For each family the tokens trained on are the template's own, the targets exactly each reply and the
+token that ends its turn (--show-examples shows them), a packed row gives each example its own loss,
+and two ranks train packed LoRA adapters that PEFT reloads. Tokenizer corners (a space fused into a
+reply's first token, a special token that takes in the whitespace after it, one typed in a message),
+templates that cannot be masked, and flags that do not fit the model are each refused in one line or
+handled as documented. The runs share one launch per kind (2 ranks, one plain process)."""
 
 from __future__ import annotations
 
@@ -7,10 +14,13 @@ import copy
 import itertools
 import json
 import re
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, assert_ok, launch
+from conftest import TINY, assert_ok
+from shared_launch import Shared, share
 from test_chat_data import write_jsonl
 from test_qwen_lora import saved_adapter
 from tiny_families import FAMILIES, MISTRAL_V03_TEMPLATE, build_tiny_family
@@ -78,15 +88,64 @@ def tokenizer_of(model_dir):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
+PLAIN_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}assistant: {% endif %}")  # fmt: skip
+TINY_REFUSALS = [
+    (["--model-name-or-path", "meta-llama/Llama-3.2-1B"], "--model-name-or-path meta-llama/Llama-3.2-1B is"),
+    (["--lora-r", "16", "--lora-targets", "all-linear"], "--lora-r 16 and --lora-targets all-linear are"),
+    (["--gradient-checkpointing"], "--gradient-checkpointing is"),
+]
+
+
+def with_plain_template(tiny_qwen: Path, folder: Path) -> Path:
+    """A copy of the tiny Qwen2 whose chat template has no special token closing a turn."""
+    model_dir = shutil.copytree(tiny_qwen, folder)
+    config_file = model_dir / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    for old in model_dir.glob("chat_template.*"):
+        old.unlink()
+    config_file.write_text(json.dumps(config | {"chat_template": PLAIN_TEMPLATE}))
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def two_ranks(family_dirs, family_chat_file, tmp_path_factory) -> Shared:
+    """Every family's packed LoRA training on two ranks, in one launch."""
+    root = tmp_path_factory.mktemp("families_two_ranks")
+    flags = ["--corpus-file", family_chat_file, "--pack", "--max-steps", "3", "--eval-every", "0"]
+    jobs = {name: hf_args(family_dirs(name), root / name, *flags, *FAMILIES[name].flags) for name in NAMES}
+    return share(root, jobs, nproc=2)
+
+
+@pytest.fixture(scope="module")
+def one_process(family_dirs, family_chat_file, tiny_qwen, tmp_path_factory) -> Shared:
+    """This module's plain-process runs, in one launch: --show-examples for every family, Gemma2 with
+    the default attention, a template that cannot be masked (with and without --train-on-prompt), and
+    pretrained-model flags given to the tiny model."""
+    root = tmp_path_factory.mktemp("families_one_process")
+    jobs = {}
+    for name in NAMES:
+        path = write_jsonl(root / f"{name}.jsonl", [{"messages": conversation(name)}])
+        jobs[f"show_{name}"] = hf_args(family_dirs(name), root / f"show_{name}", "--corpus-file", path,
+                                       "--show-examples", "1")  # fmt: skip
+    jobs["gemma2_sdpa"] = hf_args(family_dirs("gemma2"), root / "gemma2_sdpa", "--corpus-file", family_chat_file,
+                                  "--max-steps", "1")  # fmt: skip
+    plain = with_plain_template(tiny_qwen, root / "plain_template")
+    flags = ["--corpus-file", family_chat_file, "--max-steps", "2", "--seq-len", "64"]
+    jobs["masked"] = hf_args(plain, root / "masked", *flags)
+    jobs["every_token"] = hf_args(plain, root / "every_token", *flags, "--train-on-prompt")
+    for k, (refused, _) in enumerate(TINY_REFUSALS):
+        jobs[f"tiny_{k}"] = [*TINY, "--max-steps", "1", "--output-dir", root / f"tiny_{k}", *refused]
+    return share(root, jobs, nproc=None)
+
+
 @pytest.mark.parametrize("name", NAMES)
-def test_show_examples_targets_exactly_each_reply_and_the_token_that_ends_its_turn(name, family_dirs, tmp_path):
-    model_dir = family_dirs(name)
-    path = write_jsonl(tmp_path / "c.jsonl", [{"messages": conversation(name)}])
-    run = launch(hf_args(model_dir, tmp_path, "--corpus-file", path, "--show-examples", "1"))
+def test_show_examples_targets_exactly_each_reply_and_the_token_that_ends_its_turn(name, family_dirs, one_process):
+    run = one_process[f"show_{name}"]
     assert_ok(run)
     body = run.stdout.split("--- example 1: ")[1].split("\n", 1)[1].removesuffix("\n")
     assert re.findall(r"\[\[(.*?)\]\]", body, re.S) == EXPECTED_TARGETS[name]
-    tokenizer = tokenizer_of(model_dir)
+    tokenizer = tokenizer_of(family_dirs(name))
     # The text of the template's own tokens (Phi-3's <|end|> takes in the newline after it).
     rendered = tokenizer.decode(tokenizer.apply_chat_template(conversation(name), tokenize=True)["input_ids"])
     assert body.replace("[[", "").replace("]]", "") == rendered, "nothing missing, nothing added"
@@ -128,24 +187,21 @@ def test_a_packed_row_gives_each_example_its_own_loss(name, family_dirs, tmp_pat
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_two_ranks_train_packed_lora_and_the_adapter_reloads_with_peft(name, family_dirs, family_chat_file, tmp_path):
+def test_two_ranks_train_packed_lora_and_the_adapter_reloads_with_peft(name, family_dirs, two_ranks):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model_dir = family_dirs(name)
-    flags = ["--corpus-file", family_chat_file, "--pack", "--max-steps", "3", "--eval-every", "0"]
-    flags += FAMILIES[name].flags
-    run = launch(hf_args(model_dir, tmp_path, *flags), nproc=2)
+    run, out = two_ranks[name], two_ranks.out(name)
     assert_ok(run)
     assert "[sample] Each rank -> " in run.stdout
-    weights = saved_adapter(tmp_path)[1]
+    weights = saved_adapter(out)[1]
     assert any(v.abs().max() > 0 for k, v in weights.items() if "lora_B" in k), "the adapters trained"
     all_linear = "all-linear" in FAMILIES[name].flags
-    base = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
+    base = AutoModelForCausalLM.from_pretrained(family_dirs(name), attn_implementation="eager")
     ids = torch.tensor([[3, 4, 5, 6]])
     with torch.no_grad():
         before = base(input_ids=ids).logits
-        tuned = PeftModel.from_pretrained(base, tmp_path / "qwen_lora")
+        tuned = PeftModel.from_pretrained(base, out / "qwen_lora")
         after = tuned(input_ids=ids).logits
     assert (after - before).abs().max() > 0, "the reloaded adapters change the model's output"
     if all_linear:
@@ -227,33 +283,22 @@ def test_the_default_targets_on_fused_projections_list_the_head_and_suggest_the_
     assert "all-linear for every one but the output head" in message
 
 
-def test_gemma2_with_the_default_attention_is_one_line_naming_the_eager_flag(family_dirs, family_chat_file, tmp_path):
-    run = launch(hf_args(family_dirs("gemma2"), tmp_path, "--corpus-file", family_chat_file, "--max-steps", "1"))
+def test_gemma2_with_the_default_attention_is_one_line_naming_the_eager_flag(one_process):
+    run = one_process["gemma2_sdpa"]
     assert run.returncode == 2
     assert run.stderr.strip().splitlines() == [
         "error: Gemma2ForCausalLM does not support --attn-implementation sdpa: run with --attn-implementation eager"
     ]
 
 
-def test_train_on_prompt_trains_on_a_template_that_cannot_be_masked(tiny_qwen, family_chat_file, tmp_path):
+def test_train_on_prompt_trains_on_a_template_that_cannot_be_masked(one_process):
     """A template with no special token closing a turn cannot be masked; --train-on-prompt, which the
     refusal recommends, trains on it (sampling then stops at EOS alone)."""
-    import shutil
-
-    model_dir = shutil.copytree(tiny_qwen, tmp_path / "plain_template")
-    config_file = model_dir / "tokenizer_config.json"
-    config = json.loads(config_file.read_text())
-    template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
-                "{% if add_generation_prompt %}assistant: {% endif %}")  # fmt: skip
-    for old in model_dir.glob("chat_template.*"):
-        old.unlink()
-    config_file.write_text(json.dumps(config | {"chat_template": template}))
-    flags = ["--corpus-file", family_chat_file, "--max-steps", "2", "--seq-len", "64"]
-    refused = launch(hf_args(model_dir, tmp_path / "masked", *flags))
+    refused = one_process["masked"]
     assert refused.returncode == 2
     assert re.fullmatch(r"error: .*chat\.jsonl:1: the chat template cannot be masked .*--train-on-prompt.*\n",
                         refused.stderr), refused.stderr  # fmt: skip
-    assert_ok(launch(hf_args(model_dir, tmp_path / "every_token", *flags, "--train-on-prompt")))
+    assert_ok(one_process["every_token"])
 
 
 def test_train_on_prompt_takes_a_template_that_changes_messages_even_where_text_spells_a_special_token(tiny_qwen):
@@ -275,20 +320,16 @@ def test_a_refusal_shows_the_text_the_template_actually_appended(family_dirs):
         t.chat_segments(turns, tokenizer, t.chat_masking(tokenizer))
 
 
-@pytest.mark.parametrize(
-    "flags, named",
-    [(["--model-name-or-path", "meta-llama/Llama-3.2-1B"], "--model-name-or-path meta-llama/Llama-3.2-1B is"),
-     (["--lora-r", "16", "--lora-targets", "all-linear"], "--lora-r 16 and --lora-targets all-linear are"),
-     (["--gradient-checkpointing"], "--gradient-checkpointing is")],
-)  # fmt: skip
-def test_pretrained_model_flags_on_the_tiny_model_are_refused_in_one_line(flags, named, tmp_path):
-    run = launch([*TINY, "--max-steps", "1", "--output-dir", str(tmp_path), *flags])
+@pytest.mark.parametrize("flags, named", TINY_REFUSALS)
+def test_pretrained_model_flags_on_the_tiny_model_are_refused_in_one_line(one_process, flags, named):
+    job = f"tiny_{TINY_REFUSALS.index((flags, named))}"
+    run = one_process[job]
     assert run.returncode == 2
     assert run.stderr.strip().splitlines() == [
         f"error: {named} for a pretrained model (--model hf); the tiny model would ignore "
         + ("them: add --model hf, or leave them out" if " are" in named else "it: add --model hf, or leave it out")
     ]
-    assert not (tmp_path / "tiny_transformer.pt").exists()
+    assert not (one_process.out(job) / "tiny_transformer.pt").exists()
 
 
 def test_qwen_stays_a_spelling_of_hf_and_its_checkpoints_resume_under_hf():

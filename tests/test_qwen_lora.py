@@ -1,4 +1,11 @@
-"""Qwen2 + LoRA under DDP, offline, on a tiny random model with the real Qwen2 architecture."""
+"""Qwen2 + LoRA under DDP, offline, on a tiny random model with the real Qwen2 architecture: two ranks
+train the adapters (through torch's DDP and the from-scratch one alike, bit for bit; with gradient
+checkpointing too), only their gradients travel, they save in PEFT's format and reload with the trained
+logits, and a killed worker resumes bit-exactly; a model that cannot be loaded, LoRA targets the model
+lacks and a failed adapter write each end every rank with one line.
+
+The runs whose subject is not the launch share one launch per kind (2 ranks, one plain process); the
+resume after a kill and the write that a file-size limit fails keep launches of their own."""
 
 from __future__ import annotations
 
@@ -8,7 +15,8 @@ import subprocess
 
 import pytest
 import torch
-from conftest import assert_ok, child_env, launch, run_cmd, torchrun_cmd
+from conftest import assert_ok, child_env, run_cmd, torchrun_cmd
+from shared_launch import PROMPTLY_S, Shared, error_lines, share
 
 import llm_ddp_parallel_training as t
 
@@ -23,6 +31,10 @@ def qwen_args(model_dir, out_dir, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+RESUME_FLAGS = ["--max-steps", "6", "--save-every", "2", "--log-every", "1"]
+HUB_TYPO = "Qwen/Qwen2.5-0.5B-Instructt"  # a name the Hub does not have (and the tests run offline)
+
+
 def saved_adapter(out_dir) -> tuple[dict, dict[str, torch.Tensor]]:
     folder = out_dir / "qwen_lora"
     config = json.loads((folder / "adapter_config.json").read_text())
@@ -30,20 +42,41 @@ def saved_adapter(out_dir) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 @pytest.fixture(scope="module")
-def two_rank_runs(tiny_qwen, tmp_path_factory) -> dict[str, tuple]:
-    """The same 2-rank LoRA run through torch's DDP and through the from-scratch one."""
-    runs = {}
-    for ddp in ("torch", "manual"):
-        out = tmp_path_factory.mktemp(f"qwen_{ddp}")
-        flags = ["--max-steps", "4", "--log-every", "2", "--ddp", ddp, "--grad-accum-steps", "2", "--verify-sync", "1"]
-        run = launch(qwen_args(tiny_qwen, out, *flags, "--optimizer", "sgd", "--lr", "0.5"), nproc=2)
-        assert_ok(run)
-        runs[ddp] = (run, out)
-    return runs
+def two_ranks(tiny_qwen, tmp_path_factory) -> Shared:
+    """This module's 2-rank runs, in one launch: the same LoRA run through torch's DDP and through the
+    from-scratch one, one with gradient checkpointing, the uninterrupted run the resume test compares
+    with, and a model name the Hub cannot provide."""
+    root = tmp_path_factory.mktemp("qwen_two_ranks")
+
+    def ddp(name: str) -> list[str]:
+        flags = ["--max-steps", "4", "--log-every", "2", "--ddp", name, "--grad-accum-steps", "2", "--verify-sync", "1"]
+        return qwen_args(tiny_qwen, root / name, *flags, "--optimizer", "sgd", "--lr", "0.5")
+
+    jobs = {
+        "torch": ddp("torch"),
+        "manual": ddp("manual"),
+        "checkpointing": qwen_args(tiny_qwen, root / "checkpointing", "--max-steps", "3", "--gradient-checkpointing"),
+        "whole": qwen_args(tiny_qwen, root / "whole", *RESUME_FLAGS),
+        "hub_typo": qwen_args(HUB_TYPO, root / "hub_typo"),
+    }
+    return share(root, jobs, nproc=2)
 
 
-def test_two_ranks_train_the_adapters_and_save_them_in_peft_format(two_rank_runs):
-    run, out = two_rank_runs["torch"]
+@pytest.fixture(scope="module")
+def one_process(tiny_qwen, tmp_path_factory) -> Shared:
+    """This module's plain-process runs, in one launch: a model folder that does not exist, and LoRA
+    targets the model lacks."""
+    root = tmp_path_factory.mktemp("qwen_one_process")
+    jobs = {
+        "no_such_model": qwen_args(root / "no_such_model" / "no_such_model", root / "no_such_model"),
+        "lora_targets": qwen_args(tiny_qwen, root / "lora_targets", "--lora-targets", "q_proj,query_key_value"),
+    }
+    return share(root, jobs, nproc=None)
+
+
+def test_two_ranks_train_the_adapters_and_save_them_in_peft_format(two_ranks):
+    run, out = two_ranks["torch"], two_ranks.out("torch")
+    assert_ok(run)
     assert "trainable of" in run.stdout and "%)" in run.stdout
     config, weights = saved_adapter(out)
     assert config["r"] == 8 and config["lora_alpha"] == 16 and config["lora_dropout"] == 0.05
@@ -55,23 +88,23 @@ def test_two_ranks_train_the_adapters_and_save_them_in_peft_format(two_rank_runs
     assert "[sample] Each rank" in run.stdout
 
 
-def test_only_the_adapter_gradients_travel(two_rank_runs):
-    run, out = two_rank_runs["torch"]
+def test_only_the_adapter_gradients_travel(two_ranks):
+    run, out = two_ranks["torch"], two_ranks.out("torch")
     _, weights = saved_adapter(out)
     adapter_mb = sum(w.numel() * 4 for w in weights.values()) / 2**20  # fp32 gradients
     assert f"all-reduced 1 bucket(s), {adapter_mb:.2f} MiB" in run.stdout
 
 
-def test_manual_ddp_trains_the_same_adapters_as_torch_ddp(two_rank_runs):
-    torch_weights = saved_adapter(two_rank_runs["torch"][1])[1]
-    manual_weights = saved_adapter(two_rank_runs["manual"][1])[1]
+def test_manual_ddp_trains_the_same_adapters_as_torch_ddp(two_ranks):
+    assert_ok(two_ranks["manual"])
+    torch_weights = saved_adapter(two_ranks.out("torch"))[1]
+    manual_weights = saved_adapter(two_ranks.out("manual"))[1]
     assert all(torch.equal(torch_weights[k], manual_weights[k]) for k in torch_weights)
 
 
-def test_gradient_checkpointing_under_ddp_still_trains_the_adapters(tiny_qwen, tmp_path):
-    run = launch(qwen_args(tiny_qwen, tmp_path, "--max-steps", "3", "--gradient-checkpointing"), nproc=1)
-    assert_ok(run)
-    _, weights = saved_adapter(tmp_path)
+def test_gradient_checkpointing_under_ddp_still_trains_the_adapters(two_ranks):
+    assert_ok(two_ranks["checkpointing"])
+    _, weights = saved_adapter(two_ranks.out("checkpointing"))
     assert all(v.abs().sum() > 0 for k, v in weights.items() if "lora_B" in k)
 
 
@@ -98,35 +131,34 @@ def test_saved_adapter_reloads_with_the_trained_logits_and_the_base_is_untouched
     assert torch.equal(trained, again)
 
 
-@pytest.mark.parametrize("name, nproc", [("Qwen/Qwen2.5-0.5B-Instructt", 2), ("{tmp}/no_such_model", None)])
-def test_a_model_that_cannot_be_loaded_stops_every_rank_with_one_line(tmp_path, name, nproc):
-    name = name.format(tmp=tmp_path)
-    run = launch(qwen_args(name, tmp_path), nproc=nproc)
-    assert run.returncode != 0
-    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+@pytest.mark.parametrize("job, nproc", [("hub_typo", 2), ("no_such_model", None)])
+def test_a_model_that_cannot_be_loaded_stops_every_rank_with_one_line(two_ranks, one_process, job, nproc):
+    runs = two_ranks if nproc else one_process
+    run, name = runs[job], HUB_TYPO if nproc else str(runs.out(job) / job)
+    assert run.returncode != 0 and run.codes == (run.returncode,) * (nproc or 1), "every rank stops"
+    errors = error_lines(run)
     assert len(errors) == 1 and "cannot load model" in errors[0] and name in errors[0], run.stderr
     assert 'llm_ddp_parallel_training.py", line' not in run.output
-    assert run.seconds < 60
+    assert runs.seconds(job) < PROMPTLY_S
 
 
-def test_lora_targets_the_model_lacks_are_named_with_the_layers_it_has(tiny_qwen, tmp_path):
-    run = launch(qwen_args(tiny_qwen, tmp_path, "--lora-targets", "q_proj,query_key_value"))
+def test_lora_targets_the_model_lacks_are_named_with_the_layers_it_has(one_process):
+    run = one_process["lora_targets"]
     assert run.returncode == 2
     assert "--lora-targets query_key_value not found" in run.stderr
     # The output head is marked: pasting the list would adapt it too, which all-linear does not.
     assert "down_proj, gate_proj, k_proj, lm_head (the output head), o_proj, q_proj, up_proj, v_proj" in run.stderr
 
 
-def test_lora_resume_after_a_killed_worker_is_bit_exact_with_dropout_on(tiny_qwen, tmp_path):
+def test_lora_resume_after_a_killed_worker_is_bit_exact_with_dropout_on(tiny_qwen, two_ranks, tmp_path):
     # LoRA dropout 0.05 (the default) is on: the resumed run must draw the very masks the
-    # uninterrupted one drew, on every rank.
-    flags = ["--max-steps", "6", "--save-every", "2", "--log-every", "1"]
-    assert_ok(launch(qwen_args(tiny_qwen, tmp_path / "whole", *flags), nproc=2))
-    faulted = qwen_args(tiny_qwen, tmp_path / "faulted", *flags, "--inject-fault", "1:4")
+    # uninterrupted one ("whole", in the shared launch) drew, on every rank.
+    assert_ok(two_ranks["whole"])
+    faulted = qwen_args(tiny_qwen, tmp_path / "faulted", *RESUME_FLAGS, "--inject-fault", "1:4")
     run = run_cmd(torchrun_cmd(2, faulted, ["--standalone", "--max-restarts=1"]), timeout=240)
     assert_ok(run)
     assert "continuing from" in run.stdout and "step_00000002 (step 2" in run.stdout
-    whole, resumed = saved_adapter(tmp_path / "whole")[1], saved_adapter(tmp_path / "faulted")[1]
+    whole, resumed = saved_adapter(two_ranks.out("whole"))[1], saved_adapter(tmp_path / "faulted")[1]
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
 
 

@@ -11,10 +11,17 @@ coefficient may differ in its last bit.
 
 Every checkpoint holds the whole gathered state in one format, so a checkpoint from any sharding
 resumes under any other, and under another world size when the global batch stays the same.
+
+Where the numbers land does not depend on how the ranks were started: every 2-rank run whose
+subject is not the launch shares one launch of 2 Gloo ranks, and the one-process runs another
+(conftest.run_jobs, each through the script's own parse_args() and run(); their weights are bitwise
+those of a separate launch). A killed worker that torchrun restarts, a SIGTERM, a group of one that
+--nproc 1 starts, and the ranks' own refusal under torchrun keep launches of their own.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import signal
@@ -23,7 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, Run, assert_ok, child_env, launch, run_cmd, torchrun_cmd
+from conftest import TINY, Run, assert_ok, child_env, launch, run_cmd, run_jobs, torchrun_cmd
 
 REFERENCE = ("none", "torch")
 SHARDED = [("optimizer", "torch"), ("optimizer", "manual"), ("full", "torch"), ("full", "manual")]
@@ -73,35 +80,95 @@ def grad_norms(run: Run) -> list[float]:
     return [float(x) for x in re.findall(r"^step\s+\d+/\d+ \|.*\| grad norm ([0-9.]+)", run.stdout, re.M)]
 
 
-def train_each(root: Path, flags: list[str], strategies: list[tuple[str, str]]) -> dict[tuple[str, str], Path]:
-    """One 2-rank run per (sharding, ddp); returns each one's output folder."""
-    outs = {}
+CLIPPED_STRATEGIES = [REFERENCE, ("optimizer", "manual"), ("full", "torch"), ("full", "manual")]
+REFUSALS = {
+    "fp16": (["--sharding", "full", "--precision", "fp16"], "--precision fp16"),
+    "grad-compression": (["--sharding", "full", "--grad-compression", "bf16"], "--grad-compression"),
+    # --ddp manual traces its own buckets; torch's fully_shard cannot be traced
+    "trace-steps": (["--sharding", "full", "--trace-steps", "2", "--ddp", "torch"], "--trace-steps"),
+    "gradient-checkpointing": (["--sharding", "full", "--gradient-checkpointing", "--ddp", "manual"],
+                               "--gradient-checkpointing"),
+    "finetune full without qwen": (["--finetune", "full"], "--finetune full"),
+}  # fmt: skip
+HAS_PEFT = importlib.util.find_spec("peft") is not None
+
+
+def qwen_args(model_dir: Path, out_dir: Path, *extra: str) -> list[str]:
+    return [
+        "--model", "qwen", "--model-name-or-path", str(model_dir), "--cpu", "--output-dir", str(out_dir),
+        "--batch-size", "4", "--seq-len", "32", "--sample-tokens", "8", "--lr", "1e-2", "--max-steps", "3",
+        "--log-every", "1", *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def two_ranks_runs(tmp_path_factory, tiny_qwen) -> dict[str, tuple[Run, Path]]:
+    """Every 2-rank run of this module whose subject is not the launch, in one launch of 2 Gloo
+    ranks (conftest.run_jobs), in this order: what a resume reads is written by a run before it.
+    Name -> (the run, its output folder)."""
+    root, jobs, outs = tmp_path_factory.mktemp("two_ranks"), {}, {}
+
+    def job(name: str, args: list[str]) -> None:
+        outs[name] = root / f"job{len(jobs)}"
+        jobs[name] = [*args, "--output-dir", str(outs[name])]
+
+    for sharding, ddp in [REFERENCE, *SHARDED]:
+        job(f"sgd {sharding}/{ddp}", [*SGD, *sharded(sharding, ddp)])
+    job("sgd, gradient doubled", [*SGD, "--lr", "1.0", *sharded(*REFERENCE)])
+    for sharding, ddp in [REFERENCE, *STRATEGIES]:
+        job(f"adamw {sharding}/{ddp}", [*ADAMW, *sharded(sharding, ddp)])
+    for sharding, ddp in CLIPPED_STRATEGIES:
+        job(f"clipped {sharding}/{ddp}", [*CLIPPED, *sharded(sharding, ddp)])
+    job("none checkpoint resumed under full", [*ADAMW, *sharded("full", "torch"),
+        "--resume", str(checkpoint(outs["adamw none/torch"], 10))])  # fmt: skip
+    for refusal, (flags, _) in REFUSALS.items():
+        job(f"refused: {refusal}", [*TINY, "--max-steps", "2", *flags])
+    outs["qwen full"] = root / "qwen_full_run"
+    jobs["qwen full"] = qwen_args(tiny_qwen, outs["qwen full"], "--finetune", "full", *sharded("full", "torch"))
+    if HAS_PEFT:  # without peft a LoRA run cannot start; its test skips
+        outs["qwen lora"] = root / "qwen_lora_run"
+        jobs["qwen lora"] = qwen_args(tiny_qwen, outs["qwen lora"], *sharded("full", "manual"))
+    ran = run_jobs(jobs, nproc=2, timeout=540)  # 266 s at load 17 on 2 cores; pytest's own is 600
+    return {name: (ran[name], outs[name]) for name in jobs}
+
+
+def finished(runs: dict[str, tuple[Run, Path]], kind: str, strategies: list[tuple[str, str]]) -> dict:
+    """The output folders of the `kind` runs, by (sharding, ddp), each run having succeeded."""
     for sharding, ddp in strategies:
-        out = root / f"{sharding}-{ddp}"
-        assert_ok(two_ranks([*flags, *sharded(sharding, ddp), "--output-dir", str(out)]))
-        outs[sharding, ddp] = out
-    return outs
+        assert_ok(runs[f"{kind} {sharding}/{ddp}"][0])
+    return {(sharding, ddp): runs[f"{kind} {sharding}/{ddp}"][1] for sharding, ddp in strategies}
 
 
 @pytest.fixture(scope="module")
-def sgd_runs(tmp_path_factory) -> dict[tuple[str, str], Path]:
-    return train_each(tmp_path_factory.mktemp("sgd"), SGD, [REFERENCE, *SHARDED])
+def sgd_runs(two_ranks_runs) -> dict[tuple[str, str], Path]:
+    return finished(two_ranks_runs, "sgd", [REFERENCE, *SHARDED])
 
 
 @pytest.fixture(scope="module")
-def adamw_runs(tmp_path_factory) -> dict[tuple[str, str], Path]:
-    return train_each(tmp_path_factory.mktemp("adamw"), ADAMW, [REFERENCE, *STRATEGIES])
+def adamw_runs(two_ranks_runs) -> dict[tuple[str, str], Path]:
+    return finished(two_ranks_runs, "adamw", [REFERENCE, *STRATEGIES])
 
 
 @pytest.fixture(scope="module")
-def clipped_runs(tmp_path_factory) -> dict[tuple[str, str], tuple[Run, Path]]:
-    root, runs = tmp_path_factory.mktemp("clipped"), {}
-    for sharding, ddp in [REFERENCE, ("optimizer", "manual"), ("full", "torch"), ("full", "manual")]:
-        out = root / f"{sharding}-{ddp}"
-        run = two_ranks([*CLIPPED, *sharded(sharding, ddp), "--output-dir", str(out)])
-        assert_ok(run)
-        runs[sharding, ddp] = (run, out)
-    return runs
+def clipped_runs(two_ranks_runs) -> dict[tuple[str, str], tuple[Run, Path]]:
+    finished(two_ranks_runs, "clipped", CLIPPED_STRATEGIES)
+    return {(sharding, ddp): two_ranks_runs[f"clipped {sharding}/{ddp}"] for sharding, ddp in CLIPPED_STRATEGIES}
+
+
+@pytest.fixture(scope="module")
+def one_process_runs(tmp_path_factory, two_ranks_runs) -> dict[str, tuple[Run, Path]]:
+    """The runs of one plain process (no process group), in one launch: a 2-rank fully sharded
+    checkpoint resumed, and a sharded run with nothing to shard."""
+    root = tmp_path_factory.mktemp("one_process")
+    outs = {"resumed": root / "resumed", "nothing to shard": root / "nothing_to_shard"}
+    jobs = {
+        "resumed": [*ADAMW, "--batch-size", "4", "--sharding", "none", "--output-dir", str(outs["resumed"]),
+                    "--resume", str(checkpoint(two_ranks_runs["adamw full/torch"][1], 10))],
+        "nothing to shard": [*TINY, "--max-steps", "1", "--sharding", "full",
+                             "--output-dir", str(outs["nothing to shard"])],
+    }  # fmt: skip
+    ran = run_jobs(jobs, timeout=300)
+    return {name: (ran[name], outs[name]) for name in jobs}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -146,10 +213,10 @@ def test_with_clipping_acting_full_sharding_agrees_to_float32_rounding(clipped_r
 
 
 @pytest.fixture(scope="module")
-def doubled_gradient(tmp_path_factory) -> Path:
+def doubled_gradient(two_ranks_runs) -> Path:
     """The reference SGD run with lr doubled: what a summed (not averaged) gradient looks like under SGD."""
-    out = tmp_path_factory.mktemp("sgd-doubled")
-    assert_ok(two_ranks([*SGD, "--lr", "1.0", *sharded(*REFERENCE), "--output-dir", str(out)]))
+    run, out = two_ranks_runs["sgd, gradient doubled"]
+    assert_ok(run)
     return out
 
 
@@ -193,28 +260,32 @@ def test_a_checkpoint_holds_the_whole_state_in_the_same_format_under_every_shard
             assert torch.equal(moments[k], state["optimizer"]["state"][i][k]), f"{sharding}/{ddp}: {k} of {i}"
 
 
-def test_a_checkpoint_without_sharding_resumes_under_full_sharding(adamw_runs, tmp_path):
-    run = two_ranks([*ADAMW, *sharded("full", "torch"), "--output-dir", str(tmp_path),
-                     "--resume", str(checkpoint(adamw_runs[REFERENCE], 10))])  # fmt: skip
+def test_a_checkpoint_without_sharding_resumes_under_full_sharding(two_ranks_runs, adamw_runs):
+    run, out = two_ranks_runs["none checkpoint resumed under full"]
     assert_ok(run)
     assert "continuing from" in run.stdout and "step_00000010 (step 10" in run.stdout, run.stdout
-    diff = max_difference(weights(adamw_runs[REFERENCE]), weights(tmp_path))
+    diff = max_difference(weights(adamw_runs[REFERENCE]), weights(out))
     print(f"none checkpoint resumed under full vs uninterrupted none: max |dparam| = {diff:.3g}")
     assert diff < 1e-5
 
 
-@pytest.mark.parametrize("launcher", [[], ["--nproc", "1"]], ids=["plain process", "--nproc 1"])
+@pytest.mark.parametrize("launcher", ["plain process", "--nproc 1"])
 def test_a_fully_sharded_checkpoint_of_2_ranks_resumes_in_one_process_with_the_same_global_batch(
-    adamw_runs, tmp_path, launcher
+    adamw_runs, one_process_runs, tmp_path, launcher
 ):
     # 2 ranks x 2 examples x 2 micro-steps continue as 1 process x 4 x 2: the same 8 examples per step,
-    # whether that one process is a plain `python script.py` (no process group) or a group of one.
-    one = [*ADAMW, "--batch-size", "4", "--sharding", "none", "--output-dir", str(tmp_path), *launcher]
-    run = launch([*one, "--resume", str(checkpoint(adamw_runs["full", "torch"], 10))])
+    # whether that one process is a plain `python script.py` (no process group) or a group of one
+    # (the script's own launcher starts it: a launch of its own).
+    if launcher == "plain process":
+        run, out = one_process_runs["resumed"]
+    else:
+        out = tmp_path
+        one = [*ADAMW, "--batch-size", "4", "--sharding", "none", "--output-dir", str(out), "--nproc", "1"]
+        run = launch([*one, "--resume", str(checkpoint(adamw_runs["full", "torch"], 10))])
     assert_ok(run)
     assert "continuing from" in run.stdout and "step_00000010 (step 10" in run.stdout, run.stdout
     assert "saved by 2 rank(s), resumed by 1" in run.output
-    assert "step    20/20" in run.stdout and (tmp_path / "tiny_transformer.pt").exists()
+    assert "step    20/20" in run.stdout and (out / "tiny_transformer.pt").exists()
 
 
 def test_full_sharding_resumes_bit_exactly_after_a_killed_worker(adamw_runs, tmp_path):
@@ -262,39 +333,33 @@ def test_optimizer_sharding_stops_on_sigterm_with_a_checkpoint_and_the_same_comm
 # ----------------------------------------------------------------------------------------------
 
 
-def test_one_process_with_sharding_says_there_is_nothing_to_shard_and_trains(tmp_path):
-    run = launch([*TINY, "--max-steps", "1", "--sharding", "full", "--output-dir", str(tmp_path)])
+def test_one_process_with_sharding_says_there_is_nothing_to_shard_and_trains(one_process_runs):
+    run, out = one_process_runs["nothing to shard"]
     assert_ok(run)
     assert "nothing to shard" in run.stdout
-    assert (tmp_path / "tiny_transformer.pt").exists()
+    assert (out / "tiny_transformer.pt").exists()
 
 
-@pytest.mark.parametrize(
-    "flags, named",
-    [(["--sharding", "full", "--precision", "fp16"], "--precision fp16"),
-     (["--sharding", "full", "--grad-compression", "bf16"], "--grad-compression"),
-     (["--sharding", "full", "--trace-steps", "2", "--ddp", "torch"], "--trace-steps"),  # manual traces its own
-     (["--sharding", "full", "--gradient-checkpointing", "--ddp", "manual"], "--gradient-checkpointing"),
-     (["--finetune", "full"], "--finetune full")],
-    ids=["fp16", "grad-compression", "trace-steps", "gradient-checkpointing", "finetune full without qwen"],
-)  # fmt: skip
-def test_a_combination_that_cannot_be_honoured_is_refused_with_one_line_naming_the_flag(tmp_path, flags, named):
-    run = two_ranks([*TINY, "--max-steps", "2", *flags, "--output-dir", str(tmp_path)], timeout=60)
+@pytest.mark.parametrize("refusal", REFUSALS)
+def test_a_combination_that_cannot_be_honoured_is_refused_with_one_line_naming_the_flag(two_ranks_runs, refusal):
+    run, out = two_ranks_runs[f"refused: {refusal}"]
+    named = REFUSALS[refusal][1]
     assert run.returncode == 2, run.output
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0], run.stderr
-    assert "step " not in run.stdout and not (tmp_path / "tiny_transformer.pt").exists()
+    assert "step " not in run.stdout and not (out / "tiny_transformer.pt").exists()
 
 
 def test_under_torchrun_the_ranks_refuse_full_sharding_with_fp16_before_training(tmp_path):
     # Under torchrun no launcher of ours parses first: each rank parses and refuses on its own, at
-    # once, and none is left waiting for a peer (that would take --timeout-s).
+    # once, and none is left waiting for a peer (that would take --timeout-s, 300 s by default).
+    # At once: 5 s on an idle 2-core machine, 33 s while other test suites loaded it (load 12).
     run = launch([*TINY, "--max-steps", "2", "--sharding", "full", "--precision", "fp16",
-                  "--output-dir", str(tmp_path)], nproc=2, timeout=60)  # fmt: skip
+                  "--output-dir", str(tmp_path)], nproc=2, timeout=240)  # fmt: skip
     assert run.returncode != 0 and "exitcode  : 2" in run.stderr, run.stderr
     errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "--precision fp16 with --sharding full" in errors[0], run.stderr
-    assert "step " not in run.stdout and run.seconds < 30
+    assert "step " not in run.stdout and run.seconds < 150
 
 
 # ----------------------------------------------------------------------------------------------
@@ -302,18 +367,9 @@ def test_under_torchrun_the_ranks_refuse_full_sharding_with_fp16_before_training
 # ----------------------------------------------------------------------------------------------
 
 
-def qwen_args(model_dir: Path, out_dir: Path, *extra: str) -> list[str]:
-    return [
-        "--model", "qwen", "--model-name-or-path", str(model_dir), "--cpu", "--output-dir", str(out_dir),
-        "--batch-size", "4", "--seq-len", "32", "--sample-tokens", "8", "--lr", "1e-2", "--max-steps", "3",
-        "--log-every", "1", *extra,
-    ]  # fmt: skip
-
-
 @pytest.fixture(scope="module")
-def qwen_full(tiny_qwen, tmp_path_factory) -> tuple[Run, Path]:
-    out = tmp_path_factory.mktemp("qwen_full")
-    run = two_ranks(qwen_args(tiny_qwen, out, "--finetune", "full", *sharded("full", "torch")), timeout=180)
+def qwen_full(two_ranks_runs) -> tuple[Run, Path]:
+    run, out = two_ranks_runs["qwen full"]
     assert_ok(run)
     return run, out
 
@@ -339,11 +395,12 @@ def test_under_full_sharding_rank_0_samples_from_the_model_it_saved_read_back(qw
     assert len(samples) == 1 and samples[0].startswith(f"[sample] (from {out / 'qwen_full'}, read back) "), samples
 
 
-def test_lora_under_full_sharding_saves_adapters_that_peft_loads(tiny_qwen, tmp_path):
+def test_lora_under_full_sharding_saves_adapters_that_peft_loads(tiny_qwen, two_ranks_runs):
     peft = pytest.importorskip("peft")
     from transformers import AutoModelForCausalLM
 
-    assert_ok(two_ranks(qwen_args(tiny_qwen, tmp_path, *sharded("full", "manual")), timeout=180))
-    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_qwen), tmp_path / "qwen_lora")
+    run, out = two_ranks_runs["qwen lora"]
+    assert_ok(run)
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_qwen), out / "qwen_lora")
     lora_b = {k: v for k, v in model.state_dict().items() if "lora_B" in k}
     assert lora_b and all(v.abs().sum() > 0 for v in lora_b.values()), "every lora_B must move off zero"

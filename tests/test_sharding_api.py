@@ -288,7 +288,8 @@ def test_fsdp_between_steps_each_shard_is_its_chunk_of_the_gathered_weights(meas
 
 
 @pytest.mark.parametrize("scenario", FSDP_FP32 + FSDP_LOW_PRECISION)
-def test_fsdp_gather_full_parameters_is_keyed_and_shaped_like_the_module(measured, scenario):
+def test_fsdp_whole_parameters_are_keyed_and_shaped_like_the_module(measured, scenario):
+    # ManualFSDP.whole(p) of every parameter of the wrapped module: what a checkpoint gathers.
     for facts in measured(scenario):
         assert sorted(facts["gathered_keys"]) == sorted(facts["names"])
         assert facts["gathered_shapes"] == facts["full_shapes"]

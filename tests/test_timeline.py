@@ -1,4 +1,9 @@
-"""--trace-steps: every rank's steps as a Chrome trace, on one clock, and the overlap it proves."""
+"""--trace-steps: every rank's steps as a Chrome trace, on one clock, and the overlap it proves.
+
+What a trace holds does not depend on how the ranks were started: the 2-rank runs share one
+launch (conftest.run_jobs, each through the script's own parse_args() and run()), and the clock
+probe runs in it too (tests/probe_worker.py); the one-process run has its own.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,8 @@ import json
 
 import pytest
 import torch
-from conftest import TINY, assert_ok, launch, run_cmd, torchrun_cmd
+from conftest import TINY, assert_ok, launch
+from probe_worker import run_jobs_with_probes
 
 import llm_ddp_parallel_training as t
 
@@ -37,14 +43,34 @@ def backward_end(step_spans: list[dict]) -> float:
 
 
 @pytest.fixture(scope="module")
-def torch_ddp(tmp_path_factory):
-    out = tmp_path_factory.mktemp("trace")
-    metrics = out / "metrics.jsonl"
-    args = [*SMALL_BUCKETS, "--trace-steps", "3", "--plot", "--metrics-file", str(metrics), "--output-dir", str(out)]
-    run = launch(args, nproc=2)
+def two_ranks(tmp_path_factory):
+    """Every 2-rank run of this module, and the clock probe, in one launch, in order (the resumed run
+    follows the run it resumes, in the same folder). Name -> (the run, its output folder)."""
+    root = tmp_path_factory.mktemp("trace")
+    outs = {name: root / name.replace(" ", "_") for name in ("torch DDP", "manual DDP", "resumed")}
+    for out in outs.values():
+        out.mkdir()
+    first = [*TINY, "--save-every", "2", "--output-dir", str(outs["resumed"])]
+    jobs = {
+        "torch DDP": [*SMALL_BUCKETS, "--trace-steps", "3", "--plot", "--metrics-file",
+                      str(outs["torch DDP"] / "metrics.jsonl"), "--output-dir", str(outs["torch DDP"])],
+        "manual DDP": [*SMALL_BUCKETS, "--ddp", "manual", "--trace-steps", "2",
+                       "--output-dir", str(outs["manual DDP"])],
+        "4 steps, checkpointed": [*first, "--max-steps", "4"],
+        "resumed": [*first, "--max-steps", "6", "--trace-steps", "2", "--plot"],
+        "clock probe": ["probe:clock"],  # no run: no folder of its own
+    }  # fmt: skip
+    outs["4 steps, checkpointed"], outs["clock probe"] = outs["resumed"], root
+    ran = run_jobs_with_probes(jobs, nproc=2, timeout=400)
+    return {name: (ran[name], outs[name]) for name in jobs}
+
+
+@pytest.fixture(scope="module")
+def torch_ddp(two_ranks):
+    run, out = two_ranks["torch DDP"]
     assert_ok(run)
     trace = json.loads((out / "trace.json").read_text())
-    return run, trace, [json.loads(line) for line in metrics.read_text().splitlines()], out
+    return run, trace, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], out
 
 
 def test_the_trace_names_one_process_per_rank(torch_ddp):
@@ -103,10 +129,10 @@ def test_the_summary_reports_the_hidden_fraction_and_plot_draws_the_timeline(tor
     assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_manual_ddp_traces_every_bucket_it_launches(tmp_path):
-    run = launch([*SMALL_BUCKETS, "--ddp", "manual", "--trace-steps", "2", "--output-dir", str(tmp_path)], nproc=2)
+def test_manual_ddp_traces_every_bucket_it_launches(two_ranks):
+    run, out = two_ranks["manual DDP"]
     assert_ok(run)
-    for rank, spans in spans_by_rank(json.loads((tmp_path / "trace.json").read_text())).items():
+    for rank, spans in spans_by_rank(json.loads((out / "trace.json").read_text())).items():
         for k, inside in steps_of(spans).items():
             launched = sorted(s["args"]["bucket"] for s in inside if s["name"] == "all-reduce")
             assert len(launched) > 2 and launched == list(range(len(launched))), (rank, k)
@@ -125,29 +151,10 @@ def test_one_process_traces_its_steps_with_no_all_reduce(tmp_path):
     assert "none (one process: nothing to synchronise)" in run.stdout
 
 
-CLOCK_PROBE = """
-import sys, time
-import torch, torch.distributed as dist
-import llm_ddp_parallel_training as t
-
-dist.init_process_group("gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
-d = t.Dist(rank, rank, world, world, torch.device("cpu"), "gloo", "probe")
-same = t.clock_offsets(d)  # every rank gets every offset; rank 0 alone prints, so lines never interleave
-real = time.perf_counter
-time.perf_counter = lambda: real() + 1000.0 * rank  # rank r's clock runs r x 1000 s ahead
-skewed = t.clock_offsets(d)
-if rank == 0:
-    print("SAME_MACHINE", *same)
-    print("SKEWED", *skewed)
-dist.destroy_process_group()
-"""
-
-
-def test_clock_alignment_recovers_a_skew_between_ranks(tmp_path):
-    probe = tmp_path / "probe.py"
-    probe.write_text(CLOCK_PROBE)
-    run = run_cmd(torchrun_cmd(2, [], script=probe), 60)
+def test_clock_alignment_recovers_a_skew_between_ranks(two_ranks):
+    # tests/probe_worker.py's clock probe: the offsets of the ranks' clocks on one machine, then
+    # with rank r's clock set r x 1000 s ahead.
+    run, _ = two_ranks["clock probe"]
     assert_ok(run)
     found = {kind: [float(v) for v in values] for kind, *values in (line.split() for line in run.stdout.splitlines())}
     assert found["SKEWED"][0] == 0.0
@@ -166,14 +173,13 @@ def test_hidden_fraction_counts_in_flight_time_under_backward_once():
     assert t.hidden_fraction([("backward", 0.0, 1.0, {})]) is None
 
 
-def test_a_resumed_run_traces_its_own_first_steps(tmp_path):
-    first = [*TINY, "--save-every", "2", "--output-dir", str(tmp_path)]
-    assert_ok(launch([*first, "--max-steps", "4"], nproc=2))
-    run = launch([*first, "--max-steps", "6", "--trace-steps", "2", "--plot"], nproc=2)
+def test_a_resumed_run_traces_its_own_first_steps(two_ranks):
+    assert_ok(two_ranks["4 steps, checkpointed"][0])
+    run, out = two_ranks["resumed"]
     assert_ok(run)
-    for spans in spans_by_rank(json.loads((tmp_path / "trace.json").read_text())).values():
+    for spans in spans_by_rank(json.loads((out / "trace.json").read_text())).values():
         assert sorted(steps_of(spans)) == [5, 6]
-    assert (tmp_path / "timeline.png").exists()
+    assert (out / "timeline.png").exists()
 
 
 def test_collected_spans_move_onto_rank_0s_clock():

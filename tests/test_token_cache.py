@@ -1,24 +1,28 @@
 """The token cache: a corpus is tokenized once, memory-mapped by every rank, and trains exactly as
-the examples the script built in memory before it had one; what decides the tokens is its key."""
+the examples the script built in memory before it had one; what decides the tokens is its key.
+
+The byte path's examples, the split and the sampler are the ones built before the cache; the token
+rows from the cache are, in every format, packed and not, cut and not; a --dataset gives the tokens
+of the same records in a JSONL file; a pretrained run on two ranks trains from the cache exactly as
+in memory, and so does a parquet dataset a second time. A broken line, an unwritable --cache-dir or
+a dataset that cannot be read is one line on every rank and leaves no cache. The 2-rank runs are
+jobs of one shared launch (two_ranks); a missing datasets library keeps a launch of its own. Reuse,
+damage, killed builds, concurrent builds, two machines, memory and a full disk:
+tests/test_token_cache_runs.py."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-import resource
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, SCRIPT, TINY, assert_ok, child_env, free_port, launch, run_cmd, torchrun_cmd
-from test_bad_input import assert_one_clear_error
+from conftest import REPO, TINY, assert_ok, child_env, run_cmd, torchrun_cmd
+from shared_launch import Shared, assert_one_clear_error, share
 
 import llm_ddp_parallel_training as t
 
@@ -112,8 +116,7 @@ def tokenizer(tiny_qwen):
     return t.load_tokenizer(t.parse_args(["--model", "hf"]), tiny_qwen)
 
 
-@pytest.fixture(scope="module")
-def conversations(corpus_lines) -> list[dict]:
+def varied_conversations(corpus_lines: list[str]) -> list[dict]:
     """Varied conversations: a system message in some, two exchanges in others."""
     out = []
     for i, line in enumerate(corpus_lines * 8):
@@ -128,6 +131,11 @@ def conversations(corpus_lines) -> list[dict]:
     return out  # 8 x 375 = 3,000: more than one chunk (CHUNK_RECORDS), so a build starts its pool
 
 
+@pytest.fixture(scope="module")
+def conversations(corpus_lines) -> list[dict]:
+    return varied_conversations(corpus_lines)
+
+
 def write_jsonl(path: Path, records: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     return path
@@ -135,6 +143,59 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
 
 def hf(tiny_qwen: Path, *args: str) -> list[str]:
     return ["--cpu", "--model", "hf", "--model-name-or-path", str(tiny_qwen), "--batch-size", "4", *args]
+
+
+# ----- the shared launches: every run whose subject is not the launch itself, one job each -----
+
+BAD_DATASETS = {
+    "no split": "has no split 'validation'",
+    "no usable column": "no known fields (answer, question)",
+    "not on the Hub": "cannot load --dataset nobody/no-such-dataset",
+}
+
+
+def pretrained_on_3000(tiny_qwen: Path, data: Path, *args: str) -> list[str]:
+    return hf(tiny_qwen, "--corpus-file", str(data), "--max-steps", "3", "--pack", "--seq-len", "256",
+              "--val-fraction", "0.01", *args)  # fmt: skip
+
+
+def parquet_run(tiny_qwen: Path, saved_datasets: dict, root: Path, name: str) -> list[str]:
+    return [*hf(tiny_qwen, "--dataset", str(saved_datasets["parquet"]), "--max-steps", "2", "--seq-len", "256"),
+            "--cache-dir", root / "parquet_cache", "--output-dir", root / name]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_qwen, conversations, saved_datasets, tmp_path_factory) -> Shared:
+    """This module's 2-rank runs, in one launch: 3,000 conversations built into a cache, then trained
+    on from it again and in memory; a parquet dataset twice; a broken line in the pool's second chunk;
+    a --cache-dir that cannot be written; datasets that cannot be read (BAD_DATASETS)."""
+    import datasets
+
+    root = tmp_path_factory.mktemp("cache_two_ranks")
+    data = write_jsonl(root / "chat.jsonl", conversations)
+    lines = [json.dumps(c) for c in conversations]
+    lines[2_800] = lines[2_800][:-3]  # in the pool's second chunk
+    broken = root / "broken.jsonl"
+    broken.write_text("\n".join(lines) + "\n")
+    (root / "a file").write_text("not a folder")
+    datasets.Dataset.from_list([{"question": "?", "answer": "!"}]).to_parquet(str(root / "qa.parquet"))
+    bad_datasets = {
+        "no split": ["--dataset", str(saved_datasets["saved_dict"]), "--dataset-split", "validation"],
+        "no usable column": ["--dataset", str(root / "qa.parquet")],
+        "not on the Hub": ["--dataset", "nobody/no-such-dataset"],
+    }
+    jobs = {
+        "built": [*pretrained_on_3000(tiny_qwen, data), "--output-dir", root / "built", "--cache-dir", root / "c"],
+        "reused": [*pretrained_on_3000(tiny_qwen, data), "--output-dir", root / "reused", "--cache-dir", root / "c"],
+        "memory": [*pretrained_on_3000(tiny_qwen, data), "--output-dir", root / "memory", "--cache-dir", "none"],
+        "parquet_first": parquet_run(tiny_qwen, saved_datasets, root, "parquet_first"),
+        "parquet_second": parquet_run(tiny_qwen, saved_datasets, root, "parquet_second"),
+        "broken_line": [*hf(tiny_qwen, "--corpus-file", str(broken)), "--cache-dir", root / "broken_cache",
+                        "--output-dir", root / "broken_line"],
+        "unwritable": [*TINY, "--cache-dir", root / "a file" / "cache", "--output-dir", root / "unwritable"],
+    } | {what: [*hf(tiny_qwen, *args), "--cache-dir", root / f"{what}_cache", "--output-dir", root / what]
+         for what, args in bad_datasets.items()}  # fmt: skip
+    return share(root, jobs, nproc=2, timeout=480)
 
 
 # ----- 4. the byte path: the file's bytes are the tokens, cleaned in numpy, examples as before -----
@@ -247,35 +308,7 @@ def test_token_rows_from_the_cache_are_the_rows_built_in_memory_before_it(
             assert int(rows.target_bytes[r]) == nbytes, r
 
 
-def test_memory_per_rank_does_not_grow_with_seq_len(tmp_path):
-    """100,000 lines at seq 2,048 held padded would take 3.3 GB (inputs and targets, int64)."""
-    path = tmp_path / "lines.txt"
-    path.write_text("".join(f"line {i} of a corpus that is long enough\n" for i in range(100_000)))
-    peaks = {}
-    for seq_len in (128, 2048):
-        out = tmp_path / f"out{seq_len}"
-        args = [*TINY, "--no-pack", "--seq-len", str(seq_len), "--max-steps", "1", "--val-fraction", "0"]
-        run = launch([*args, "--corpus-file", str(path), "--output-dir", str(out), "--cache-dir", str(tmp_path / "c")])
-        assert_ok(run)
-        peaks[seq_len] = max(rank["peak"] for rank in json.loads((out / "memory.json").read_text()))
-    assert peaks[2048] < 1.1 * peaks[128], peaks
-    assert peaks[2048] < 1 << 30, peaks
-
-
 # ----- 1. built once, reused, keyed by what decides the tokens -----
-
-
-def test_a_second_run_reuses_the_cache_and_trains_identically(tmp_path):
-    cache = tmp_path / "cache"
-    runs = [launch([*TINY, "--max-steps", "3", "--output-dir", str(tmp_path / f"run{k}"), "--cache-dir", str(cache)])
-            for k in (1, 2)]  # fmt: skip
-    for run in runs:
-        assert_ok(run)
-    assert re.match(r"\[cache\] built .*bytes-\w+: 375 lines, [\d,]+ tokens in [\d.]+ s", cache_line(runs[0]))
-    assert "[cache] reused" in cache_line(runs[1]) and str(cache) in cache_line(runs[1])
-    assert runs[0].losses() == runs[1].losses()
-    assert same_weights(tmp_path / "run1/tiny_transformer.pt", tmp_path / "run2/tiny_transformer.pt")
-    assert len(caches(cache)) == 1
 
 
 def test_the_key_changes_with_what_decides_the_tokens_and_with_nothing_else(tiny_qwen, conversations, tmp_path):
@@ -304,15 +337,9 @@ def test_the_key_changes_with_what_decides_the_tokens_and_with_nothing_else(tiny
     assert t.corpus_key(cfg_for(*base), other) != key, "another tokenizer"
 
 
-def test_a_pretrained_run_on_two_ranks_trains_from_the_cache_exactly_as_in_memory(tiny_qwen, conversations, tmp_path):
+def test_a_pretrained_run_on_two_ranks_trains_from_the_cache_exactly_as_in_memory(two_ranks):
     """3,000 conversations: rank 0 builds with a pool of processes, rank 1 waits, both map it."""
-    data = write_jsonl(tmp_path / "chat.jsonl", conversations)
-    args = hf(tiny_qwen, "--corpus-file", str(data), "--max-steps", "3", "--pack", "--seq-len", "256",
-              "--val-fraction", "0.01", "--nproc", "2")  # fmt: skip
-    built, reused, memory = (
-        launch([*args, "--output-dir", str(tmp_path / name), "--cache-dir", cache], timeout=240)
-        for name, cache in (("built", str(tmp_path / "c")), ("reused", str(tmp_path / "c")), ("memory", "none"))
-    )
+    built, reused, memory = two_ranks["built"], two_ranks["reused"], two_ranks["memory"]
     for run in (built, reused, memory):
         assert_ok(run)
     assert re.search(
@@ -321,136 +348,28 @@ def test_a_pretrained_run_on_two_ranks_trains_from_the_cache_exactly_as_in_memor
     assert built.stdout.count("[cache]") == 1, "rank 0 built it; rank 1 mapped it without a word"
     assert "[cache] reused" in reused.stdout and "[cache] none" in memory.stdout
     assert built.losses() == reused.losses() == memory.losses()
-    weights = [adapter(tmp_path / name) for name in ("built", "reused", "memory")]
+    weights = [adapter(two_ranks.out(name)) for name in ("built", "reused", "memory")]
     assert all(torch.equal(weights[0][k], w[k]) for w in weights[1:] for k in weights[0])
-
-
-def test_a_damaged_cache_file_is_rebuilt_never_trained_on(tmp_path):
-    cache, args = tmp_path / "cache", [*TINY, "--max-steps", "2", "--cache-dir", str(tmp_path / "cache")]
-    assert_ok(launch([*args, "--output-dir", str(tmp_path / "first")]))
-    (folder,) = cache.iterdir()
-    for damage, said in (
-        (lambda data: data[:-5], "holds 35194 bytes where 35199 were written"),
-        (lambda data: data[:100] + bytes([data[100] ^ 1]) + data[101:], "fails its CRC-32 check"),
-    ):
-        stream = folder / "stream.bin"
-        stream.write_bytes(damage(stream.read_bytes()))
-        run = launch([*args, "--output-dir", str(tmp_path / "again"), "--overwrite"])
-        assert_ok(run)
-        assert f"stream.bin {said}: building it again" in run.stdout and "[cache] built" in run.stdout
-        assert same_weights(tmp_path / "first/tiny_transformer.pt", tmp_path / "again/tiny_transformer.pt")
-
-
-@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGINT])
-def test_a_build_killed_or_stopped_midway_leaves_no_cache_that_a_later_run_loads(
-    tiny_qwen, conversations, tmp_path, how
-):
-    data = write_jsonl(tmp_path / "chat.jsonl", conversations * 2)  # 6,000: three chunks, two in the pool
-    cache = tmp_path / "cache"
-    args = [*hf(tiny_qwen, "--corpus-file", str(data), "--max-steps", "1"), "--cache-dir", str(cache)]
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=child_env(), start_new_session=True)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 120
-        while not any((p / "ids.bin").exists() for p in cache.glob(".tokens-*.tmp-*")):
-            assert time.monotonic() < deadline and proc.poll() is None, "the build never started writing"
-            time.sleep(0.05)
-        os.killpg(proc.pid, how)  # Ctrl-C reaches the whole process group: the pool's processes too
-        _, err = proc.communicate(timeout=60)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    if how == signal.SIGINT:
-        assert proc.returncode == 1 and err.count("error: ") == 1, err
-        assert "stopped by SIGINT while building the token cache, before training: nothing was written" in err
-        assert caches(cache) == [], "a stopped build removes its folder"
-    assert not [p for p in caches(cache) if p.startswith("tokens-")], "nothing a later run would load"
-    run = launch([*args, "--max-steps", "1", "--val-fraction", "0.001"], timeout=240)
-    assert_ok(run)
-    assert "[cache] built" in run.stdout
-
-
-def test_two_runs_building_the_same_cache_at_once_both_succeed(tmp_path):
-    path = tmp_path / "lines.txt"
-    path.write_text("".join(f"line {i}: the same words again and again, to make a corpus\n" for i in range(300_000)))
-    cmds = [[sys.executable, str(SCRIPT), *TINY, "--max-steps", "2", "--corpus-file", str(path), "--val-fraction",
-             "0.001", "--output-dir", str(tmp_path / f"out{k}"), "--cache-dir", str(tmp_path / "cache")]
-            for k in (0, 1)]  # fmt: skip
-    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
-                              start_new_session=True) for c in cmds]  # fmt: skip
-    try:
-        outputs = [p.communicate(timeout=180)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [0, 0], outputs
-    assert all("[cache] built" in out or "[cache] reused" in out for out in outputs)
-    assert caches(tmp_path / "cache") == [next(iter(caches(tmp_path / "cache")))], "one cache, no leftovers"
-    assert same_weights(tmp_path / "out0/tiny_transformer.pt", tmp_path / "out1/tiny_transformer.pt")
-
-
-def test_a_machine_that_cannot_see_rank_0s_cache_builds_its_own(tmp_path):
-    """Two "machines" (torchrun agents) whose --cache-dir default is node-local: each builds once."""
-    endpoint = f"127.0.0.1:{free_port()}"
-    args = [*TINY, "--max-steps", "2", "--output-dir", str(tmp_path / "out")]
-    launcher = f"--nnodes 2 --rdzv-backend c10d --rdzv-endpoint {endpoint} --rdzv-id node-local-cache".split()
-    cmds = [torchrun_cmd(1, args, [*launcher, "--node-rank", str(k)]) for k in (0, 1)]
-    envs = [child_env({"XDG_CACHE_HOME": str(tmp_path / f"node{k}")}) for k in (0, 1)]
-    other = subprocess.Popen(cmds[1], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=envs[1],
-                             start_new_session=True)  # fmt: skip
-    try:
-        run = run_cmd(cmds[0], timeout=120, env=envs[0])
-        other_out, _ = other.communicate(timeout=60)
-    finally:
-        other.kill()
-    assert_ok(run)
-    assert other.returncode == 0, other_out
-    assert (run.stdout + other_out).count("[cache] built") == 2
-    for k in (0, 1):
-        assert len(caches(tmp_path / f"node{k}" / "llm_ddp_parallel_training")) == 1
 
 
 # ----- 3. the source streams; a broken line stops the build before training, leaving nothing -----
 
 
-def test_a_broken_line_stops_every_rank_naming_it_and_leaves_no_cache(tiny_qwen, conversations, tmp_path):
-    lines = [json.dumps(c) for c in conversations]
-    lines[2_800] = lines[2_800][:-3]  # in the pool's second chunk
-    data = tmp_path / "chat.jsonl"
-    data.write_text("\n".join(lines) + "\n")
-    cache = tmp_path / "cache"
-    run = launch([*hf(tiny_qwen, "--corpus-file", str(data)), "--cache-dir", str(cache)], nproc=2, timeout=180)
-    assert_one_clear_error(run, f"{data}:2801: not valid JSON", 2)
-    assert caches(cache) == [], "no cache, not even a half-written one"
+def test_a_broken_line_stops_every_rank_naming_it_and_leaves_no_cache(two_ranks):
+    data = two_ranks.root / "broken.jsonl"
+    assert_one_clear_error(
+        two_ranks["broken_line"], f"{data}:2801: not valid JSON", two_ranks.seconds("broken_line"), 2
+    )
+    assert caches(two_ranks.root / "broken_cache") == [], "no cache, not even a half-written one"
 
 
 # ----- 8. bad input: one line on every rank, before training, nothing half-written left behind -----
 
 
-def test_a_cache_dir_that_cannot_be_written_is_one_line(tmp_path):
-    (tmp_path / "a file").write_text("not a folder")
-    run = launch([*TINY, "--cache-dir", str(tmp_path / "a file" / "cache")], nproc=2)
-    assert_one_clear_error(run, "cannot write the token cache in", 2)
+def test_a_cache_dir_that_cannot_be_written_is_one_line(two_ranks):
+    run = two_ranks["unwritable"]
+    assert_one_clear_error(run, "cannot write the token cache in", two_ranks.seconds("unwritable"), 2)
     assert "--cache-dir none" in run.stderr
-
-
-def limit_file_size() -> None:  # in the child: files stop growing at 1 MB, as on a full disk
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead of killing
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-
-
-def test_a_disk_that_fills_mid_build_is_one_line_and_leaves_nothing(tmp_path):
-    path = tmp_path / "lines.txt"
-    path.write_text("".join(f"line {i} of a corpus bigger than the disk has room for\n" for i in range(100_000)))
-    cache = tmp_path / "cache"
-    cmd = [sys.executable, str(SCRIPT), *TINY, "--corpus-file", str(path), "--cache-dir", str(cache)]
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=60, preexec_fn=limit_file_size)
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert proc.returncode == 2 and len(errors) == 1, proc.stderr
-    assert "cannot write the token cache" in errors[0] and "File too large" in errors[0]
-    assert time.perf_counter() - start < 30
-    assert caches(cache) == []
 
 
 # ----- 5. --dataset: the Hub, parquet and save_to_disk through Hugging Face datasets -----
@@ -481,11 +400,8 @@ def test_a_dataset_gives_the_tokens_of_the_same_records_in_a_jsonl_file(tiny_qwe
     assert from_dataset.fmt == "messages" and from_dataset.chat
 
 
-def test_a_parquet_dataset_trains_on_two_ranks_and_a_second_run_reuses_its_cache(tiny_qwen, saved_datasets, tmp_path):
-    args = [*hf(tiny_qwen, "--dataset", str(saved_datasets["parquet"]), "--max-steps", "2", "--seq-len", "256"),
-            "--cache-dir", str(tmp_path / "cache")]  # fmt: skip
-    first = launch([*args, "--output-dir", str(tmp_path / "a")], nproc=2, timeout=180)
-    second = launch([*args, "--output-dir", str(tmp_path / "b")], nproc=2, timeout=180)
+def test_a_parquet_dataset_trains_on_two_ranks_and_a_second_run_reuses_its_cache(two_ranks, saved_datasets):
+    first, second = two_ranks["parquet_first"], two_ranks["parquet_second"]
     assert_ok(first)
     assert_ok(second)
     assert "[cache] built" in first.stdout and "[cache] reused" in second.stdout
@@ -493,39 +409,18 @@ def test_a_parquet_dataset_trains_on_two_ranks_and_a_second_run_reuses_its_cache
     assert first.losses() == second.losses()
 
 
-@pytest.mark.parametrize(
-    ("what", "expected"),
-    [
-        ("no split", "has no split 'validation'"),
-        ("no usable column", "no known fields (answer, question)"),
-        ("not on the Hub", "cannot load --dataset nobody/no-such-dataset"),
-        ("no datasets", "pip install datasets"),
-    ],
-)
-def test_a_dataset_that_cannot_be_read_is_one_line(tiny_qwen, saved_datasets, tmp_path, what, expected):
-    import datasets
+@pytest.mark.parametrize("what", BAD_DATASETS)
+def test_a_dataset_that_cannot_be_read_is_one_line(two_ranks, what):
+    assert_one_clear_error(two_ranks[what], BAD_DATASETS[what], two_ranks.seconds(what), 2)
+    assert caches(two_ranks.root / f"{what}_cache") == []
 
-    env = child_env()
-    if what == "no split":
-        args = ["--dataset", str(saved_datasets["saved_dict"]), "--dataset-split", "validation"]
-    elif what == "no usable column":
-        datasets.Dataset.from_list([{"question": "?", "answer": "!"}]).to_parquet(str(tmp_path / "qa.parquet"))
-        args = ["--dataset", str(tmp_path / "qa.parquet")]
-    elif what == "not on the Hub":
-        args = ["--dataset", "nobody/no-such-dataset"]
-    else:  # a datasets module that cannot be imported stands first on the path
-        (tmp_path / "shadow").mkdir()
-        (tmp_path / "shadow" / "datasets.py").write_text("raise ImportError('No module named datasets')\n")
-        env = child_env({"PYTHONPATH": f"{tmp_path / 'shadow'}{os.pathsep}{REPO}"})
-        args = ["--dataset", str(saved_datasets["parquet"])]
+
+def test_without_the_datasets_library_a_dataset_is_one_line_naming_its_install(tiny_qwen, saved_datasets, tmp_path):
+    """A launch of its own: a datasets module that cannot be imported stands first on the path."""
+    (tmp_path / "shadow").mkdir()
+    (tmp_path / "shadow" / "datasets.py").write_text("raise ImportError('No module named datasets')\n")
+    env = child_env({"PYTHONPATH": f"{tmp_path / 'shadow'}{os.pathsep}{REPO}"})
+    args = ["--dataset", str(saved_datasets["parquet"])]
     run = run_cmd(torchrun_cmd(2, [*hf(tiny_qwen, *args), "--cache-dir", str(tmp_path / "cache")]), 120, env)
-    assert_one_clear_error(run, expected, 2)
+    assert_one_clear_error(run, "pip install datasets", run.seconds, 2)
     assert caches(tmp_path / "cache") == []
-
-
-def test_the_tiny_path_never_imports_datasets(tmp_path):
-    args = [*TINY, "--max-steps", "1", "--output-dir", str(tmp_path), "--cache-dir", str(tmp_path / "cache")]
-    code = f"import sys, llm_ddp_parallel_training as t\nt.main({args!r})\nprint('IMPORTED', 'datasets' in sys.modules)"
-    run = run_cmd([sys.executable, "-c", code], timeout=60)
-    assert_ok(run)
-    assert "IMPORTED False" in run.stdout

@@ -1,5 +1,11 @@
 """What users of a training script expect, each checked through the CLI: schedule, clipping,
-validation, precision, progress display, metrics file, plot and summary."""
+validation, precision, progress display, metrics file, plot and summary.
+
+None of these depends on how the run was started: the 2-rank runs share one launch and the
+one-process runs another (conftest.run_jobs, each through the script's own parse_args() and
+run()). That one process runs on a CPU capped at AVX2, which has no bf16 instructions, for the
+test of the emulated-bf16 warning; no other one-process test depends on the instruction set.
+A run without matplotlib and a run on a terminal are launched alone."""
 
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ import time
 
 import pytest
 import torch
-from conftest import SCRIPT, TINY, assert_ok, child_env, launch
+from conftest import SCRIPT, TINY, assert_ok, child_env, launch, run_jobs
 
 import llm_ddp_parallel_training as t
 
@@ -25,14 +31,73 @@ LR, MIN_LR, WARMUP, STEPS = 0.004, 0.0004, 10, 30
 VAL_FRACTION = 0.07  # 26 of 375 lines: 39 packed examples, an odd count
 
 
+CLIP, CLIP_LR = 0.1, 0.5
+SMALL_CORPUS = [f"line {i}: each rank averages the gradients it computed." for i in range(12)]
+
+
 @pytest.fixture(scope="module")
-def reported(tmp_path_factory):
+def two_ranks(tmp_path_factory):
+    """Every 2-rank run of this module, in one launch. Name -> (the run, its output folder)."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    outs = {name: root / name for name in ("reported", "clipped", "bf16", "epochs", "capped", "small")}
+    for out in outs.values():
+        out.mkdir()
+    corpus = root / "small.txt"
+    corpus.write_text("\n".join(SMALL_CORPUS) + "\n")
+    jobs = {
+        # validation, a metrics file and a plot
+        "reported": [*TINY, "--max-steps", str(STEPS), "--warmup-steps", str(WARMUP), "--lr", str(LR),
+                     "--min-lr", str(MIN_LR), "--log-every", "1", "--eval-every", "10", "--val-fraction",
+                     str(VAL_FRACTION), "--metrics-file", str(outs["reported"] / "metrics.jsonl"), "--plot"],
+        "clipped": [*TINY, "--optimizer", "sgd", "--lr", str(CLIP_LR), "--min-lr", str(CLIP_LR), "--warmup-steps",
+                    "0", "--weight-decay", "0", "--grad-clip", str(CLIP), "--max-steps", "1",
+                    "--metrics-file", str(outs["clipped"] / "m.jsonl")],
+        "bf16": [*TINY, "--precision", "bf16", "--max-steps", "30", "--log-every", "10"],
+        "epochs": [*TINY, "--epochs", "2", "--log-every", "1", "--warmup-steps", "5", "--lr", str(LR), "--min-lr",
+                   str(MIN_LR), "--metrics-file", str(outs["epochs"] / "m.jsonl")],
+        "capped": [*TINY, "--epochs", "2", "--max-steps", "3"],
+        "small": [*TINY, "--corpus-file", str(corpus), "--batch-size", "1", "--max-steps", "2",
+                  "--metrics-file", str(root / "small-metrics.jsonl")],
+    }  # fmt: skip
+    ran = run_jobs(
+        {name: [*args, "--output-dir", str(outs[name])] for name, args in jobs.items()}, nproc=2, timeout=480
+    )
+    return {name: (ran[name], outs[name]) for name in jobs}
+
+
+# This CPU may compute bf16 natively; capping oneDNN and ATen at AVX2 (no bf16 instructions)
+# makes it emulate bf16, as an AVX2-only CPU does.
+AVX2_ONLY = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """Every one-process run of this module in one plain process (no process group), in one
+    launch, on a CPU capped at AVX2 (AVX2_ONLY)."""
+    root = tmp_path_factory.mktemp("one_process")
+    outs = {name: root / name for name in ("fp16", "plot", "one", "short", "bf16")}
+    for out in outs.values():
+        out.mkdir()
+    jobs = {
+        "fp16": [*TINY, "--precision", "fp16"],
+        "plot": [*TINY, "--max-steps", "12", "--log-every", "100", "--eval-every", "6", "--save-every", "12",
+                 "--plot"],
+        "one": [*TINY, "--max-steps", "1"],
+        "short": [*TINY, "--max-steps", "6", "--log-every", "1", "--lr", "0.003", "--val-fraction", "0",
+                  "--metrics-file", str(outs["short"] / "metrics.jsonl")],
+        "bf16": [*TINY, "--precision", "bf16", "--max-steps", "1", "--val-fraction", "0"],
+    }  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:  # conftest.child_env passes the test process's environment on
+        for name, value in AVX2_ONLY.items():
+            patch.setenv(name, value)
+        ran = run_jobs({name: [*args, "--output-dir", str(outs[name])] for name, args in jobs.items()}, timeout=300)
+    return {name: (ran[name], outs[name]) for name in jobs}
+
+
+@pytest.fixture(scope="module")
+def reported(two_ranks):
     """One two-rank run with validation, a metrics file and a plot."""
-    out = tmp_path_factory.mktemp("reported")
-    args = [*TINY, "--max-steps", str(STEPS), "--warmup-steps", str(WARMUP), "--lr", str(LR), "--min-lr", str(MIN_LR),
-            "--log-every", "1", "--eval-every", "10", "--val-fraction", str(VAL_FRACTION),
-            "--metrics-file", str(out / "metrics.jsonl"), "--plot", "--output-dir", str(out)]  # fmt: skip
-    run = launch(args, nproc=2)
+    run, out = two_ranks["reported"]
     assert_ok(run)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return run, out, records
@@ -106,34 +171,31 @@ def test_a_missing_matplotlib_is_one_line_not_a_failure(tmp_path):
     assert not (tmp_path / "loss.png").exists()
 
 
-def test_gradient_clipping_caps_the_synchronised_global_norm(tmp_path):
+def test_gradient_clipping_caps_the_synchronised_global_norm(two_ranks):
     # One SGD step from the seeded initial weights: with the norm clipped to 0.1 the weights
     # move by exactly lr x 0.1. Clipping each rank's gradient before the all-reduce would not
     # give this: the average of two clipped vectors is shorter than either.
-    clip, lr = 0.1, 0.5
-    args = [*TINY, "--optimizer", "sgd", "--lr", str(lr), "--min-lr", str(lr), "--warmup-steps", "0",
-            "--weight-decay", "0", "--grad-clip", str(clip), "--max-steps", "1", "--output-dir", str(tmp_path),
-            "--metrics-file", str(tmp_path / "m.jsonl")]  # fmt: skip
-    assert_ok(launch(args, nproc=2))
+    clip, lr = CLIP, CLIP_LR
+    run, out = two_ranks["clipped"]
+    assert_ok(run)
     torch.manual_seed(1337)
     start = t.TinyTransformer(t.TinyConfig(seq_len=64, d_model=32, n_heads=2, n_layers=1)).state_dict()
-    end = t.load_tiny_checkpoint(tmp_path / "tiny_transformer.pt").state_dict()
+    end = t.load_tiny_checkpoint(out / "tiny_transformer.pt").state_dict()
     moved = math.sqrt(sum((end[k] - start[k]).double().square().sum().item() for k in start))
-    assert json.loads((tmp_path / "m.jsonl").read_text())["grad_norm"] > clip  # the norm before clipping
+    assert json.loads((out / "m.jsonl").read_text())["grad_norm"] > clip  # the norm before clipping
     assert moved == pytest.approx(lr * clip, rel=1e-4)
 
 
-def test_bf16_autocast_runs_and_learns_on_cpu(tmp_path):
-    args = [*TINY, "--precision", "bf16", "--max-steps", "30", "--log-every", "10", "--output-dir", str(tmp_path)]
-    run = launch(args, nproc=2)
+def test_bf16_autocast_runs_and_learns_on_cpu(two_ranks):
+    run, _ = two_ranks["bf16"]
     assert_ok(run)
     assert "precision bf16" in run.stdout
     losses = run.losses()
     assert losses[-1] < losses[0] - 1.0, losses
 
 
-def test_fp16_is_refused_on_cpu():
-    run = launch([*TINY, "--precision", "fp16"])
+def test_fp16_is_refused_on_cpu(one_process):
+    run, _ = one_process["fp16"]
     assert run.returncode == 2 and "--precision fp16 needs a CUDA GPU" in run.stderr
 
 
@@ -180,36 +242,32 @@ def test_mfu_peaks_match_the_gpu_name_exactly(name, peak):
     assert t.gpu_peak_flops(name) == peak
 
 
-def test_epochs_set_the_runs_length_and_the_schedule_spans_it(tmp_path):
+def test_epochs_set_the_runs_length_and_the_schedule_spans_it(two_ranks):
     # 493 packed windows: 246 per rank, 61 steps of 4 per epoch on 2 ranks.
-    metrics = tmp_path / "m.jsonl"
-    args = [*TINY, "--epochs", "2", "--log-every", "1", "--warmup-steps", "5", "--lr", str(LR), "--min-lr",
-            str(MIN_LR), "--metrics-file", str(metrics), "--output-dir", str(tmp_path)]  # fmt: skip
-    run = launch(args, nproc=2)
+    run, out = two_ranks["epochs"]
     assert_ok(run)
     assert "--epochs 2 x 61 steps per epoch = 122 steps" in run.stdout
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    records = [json.loads(line) for line in (out / "m.jsonl").read_text().splitlines()]
     assert records[-1]["step"] == 122 and records[-1]["epoch"] == 1
     assert records[-1]["lr"] == pytest.approx(MIN_LR)
-    capped = launch([*TINY, "--epochs", "2", "--max-steps", "3", "--output-dir", str(tmp_path / "capped")], nproc=2)
+    capped, _ = two_ranks["capped"]
     assert_ok(capped)
     assert "= 3 steps, capped by --max-steps 3" in capped.stdout
 
 
-def test_the_loss_plot_follows_every_step_not_only_the_logged_ones(tmp_path):
-    args = [*TINY, "--max-steps", "12", "--log-every", "100", "--eval-every", "6", "--save-every", "12", "--plot"]
-    run = launch([*args, "--output-dir", str(tmp_path)])
+def test_the_loss_plot_follows_every_step_not_only_the_logged_ones(one_process):
+    run, out = one_process["plot"]
     assert_ok(run)
     assert len(run.losses()) == 3  # logged: steps 1, 6 (an evaluation) and 12
-    state = torch.load(tmp_path / "checkpoints" / "step_00000012" / "state.pt", weights_only=True)
+    state = torch.load(out / "checkpoints" / "step_00000012" / "state.pt", weights_only=True)
     history = state["progress"]["history"]  # what write_loss_plot draws
     assert [h["step"] for h in history] == list(range(1, 13))
     assert [h["step"] for h in history if "val_loss" in h] == [6, 12]
-    assert (tmp_path / "loss.png").exists()
+    assert (out / "loss.png").exists()
 
 
-def test_one_process_says_it_synchronises_nothing(tmp_path):
-    run = launch([*TINY, "--max-steps", "1", "--output-dir", str(tmp_path)])
+def test_one_process_says_it_synchronises_nothing(one_process):
+    run, _ = one_process["one"]
     assert_ok(run)
     assert "[run] gradient sync: none (one process" in run.stdout
     assert "MiB buckets" not in run.stdout
@@ -230,23 +288,19 @@ def test_a_warmup_longer_than_half_the_run_becomes_a_tenth_of_it():
     assert t.warmup_steps(kept) == 10 and t.describe_warmup(kept) is None
 
 
-def test_a_short_run_says_its_warmup_was_capped_and_ends_decayed(tmp_path):
-    metrics = tmp_path / "metrics.jsonl"
-    run = launch([*TINY, "--max-steps", "6", "--log-every", "1", "--lr", "0.003", "--val-fraction", "0",
-                  "--metrics-file", str(metrics), "--output-dir", str(tmp_path)])  # fmt: skip
+def test_a_short_run_says_its_warmup_was_capped_and_ends_decayed(one_process):
+    run, out = one_process["short"]
+    metrics = out / "metrics.jsonl"
     assert_ok(run)
     assert "[run] --warmup-steps 20 is more than half of this run's 6 steps: warming up for 1 step" in run.stdout
     lrs = [json.loads(line)["lr"] for line in metrics.read_text().splitlines()]
     assert lrs[0] == pytest.approx(0.003) and lrs[-1] == pytest.approx(0.0003)
 
 
-def test_validation_with_fewer_held_out_examples_than_ranks_is_the_mean_over_those_that_exist(tmp_path):
-    lines = [f"line {i}: each rank averages the gradients it computed." for i in range(12)]
-    corpus = tmp_path / "small.txt"
-    corpus.write_text("\n".join(lines) + "\n")
-    out, metrics = tmp_path / "out", tmp_path / "metrics.jsonl"
-    run = launch([*TINY, "--corpus-file", str(corpus), "--batch-size", "1", "--max-steps", "2",
-                  "--metrics-file", str(metrics), "--output-dir", str(out)], nproc=2)  # fmt: skip
+def test_validation_with_fewer_held_out_examples_than_ranks_is_the_mean_over_those_that_exist(two_ranks):
+    lines = SMALL_CORPUS
+    run, out = two_ranks["small"]
+    metrics = out.parent / "small-metrics.jsonl"
     assert_ok(run)
     _, val_lines = t.split_lines(lines, 0.1, seed=1337)
     val = t.encode_lines_as_bytes(val_lines, seq_len=64, pack=True)
@@ -264,12 +318,8 @@ def test_the_defaults_are_the_good_short_run():
     assert (cfg.d_model, cfg.n_heads, cfg.n_layers, cfg.batch_size, cfg.max_steps) == (128, 4, 2, 8, 600)
 
 
-def test_emulated_bf16_on_a_cpu_is_said_at_start_up(tmp_path):
-    # This CPU may compute bf16 natively; capping oneDNN and ATen at AVX2 (no bf16 instructions)
-    # makes it emulate bf16, as an AVX2-only CPU does.
-    env = child_env({"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "OMP_NUM_THREADS": "1"})
-    run = launch([*TINY, "--precision", "bf16", "--max-steps", "1", "--val-fraction", "0", "--output-dir",
-                  str(tmp_path)], env=env)  # fmt: skip
+def test_emulated_bf16_on_a_cpu_is_said_at_start_up(one_process):
+    run, _ = one_process["bf16"]  # on a CPU capped at AVX2 (AVX2_ONLY): no bf16 instructions
     assert_ok(run)
     warning = [line for line in run.stdout.splitlines() if "no bf16 instructions" in line]
     assert len(warning) == 1 and "x slower than fp32" in warning[0] and "--precision fp32" in warning[0]

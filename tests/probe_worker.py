@@ -1,0 +1,104 @@
+"""tests/worker.py's shared launch, with probes: jobs that look inside a rank where a command line cannot.
+
+    torchrun --standalone --nproc-per-node=2 tests/probe_worker.py JOBS.json RESULTS_DIR
+
+The launch, its jobs file and its results are tests/worker.py's, run by its own loop; a job whose
+first argument is "probe:NAME" runs PROBES[NAME] on the same ranks instead, with the rest of its
+command line. A probe prints what it found (rank 0) and returns an exit code, as a job does. A
+probe costs a few milliseconds; a launch of its own cost 5 s.
+
+From a test: run_jobs_with_probes(jobs, nproc), which is conftest.run_jobs launching this file.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import worker
+
+import llm_ddp_parallel_training as t
+
+PROBE = "probe:"
+command_line = worker.run_job  # one command line, as main() runs it
+
+
+def dropout_probe(args: list[str], d: t.Dist) -> int:
+    """The command line runs as in a real run up to train(); in train()'s place, rank 0 prints
+    whether the ranks hold equal weights and whether they drew equal dropout masks."""
+
+    def probe(cfg, d, kit, resume, settings):  # train()'s signature
+        weights = torch.cat([p.detach().flatten() for p in kit.model.parameters()])
+        dropped = torch.nn.functional.dropout(torch.ones(4096), p=cfg.dropout, training=True)
+        first, second = t.all_gather_tensor(d, torch.stack([weights[:4096], dropped]))
+        if d.is_main:
+            print("WEIGHTS_EQUAL", torch.equal(first[0], second[0]), "MASKS_EQUAL", torch.equal(first[1], second[1]))
+        raise SystemExit(0)
+
+    train, t.train = t.train, probe
+    try:
+        return command_line(args, d)
+    finally:
+        t.train = train
+
+
+def clock_probe(args: list[str], d: t.Dist) -> int:
+    """clock_offsets on one machine's clocks, then with rank r's clock set r x 1000 s ahead: rank 0
+    prints both (every rank gets every offset; rank 0 alone prints, so lines never interleave)."""
+    same = t.clock_offsets(d)
+    perf_counter = time.perf_counter
+    time.perf_counter = lambda: perf_counter() + 1000.0 * d.rank
+    try:
+        skewed = t.clock_offsets(d)
+    finally:
+        time.perf_counter = perf_counter
+    if d.is_main:
+        print("SAME_MACHINE", *same)
+        print("SKEWED", *skewed)
+    return 0
+
+
+PROBES: dict[str, Callable[[list[str], t.Dist], int]] = {"dropout": dropout_probe, "clock": clock_probe}
+
+
+def run_job(args: list[str], d: t.Dist) -> int:
+    if args and args[0].startswith(PROBE):
+        return PROBES[args[0].removeprefix(PROBE)](args[1:], d)
+    return command_line(args, d)
+
+
+def run_jobs_with_probes(jobs: dict[str, list[str]], nproc: int | None = None, timeout: float = 240) -> dict:
+    """conftest.run_jobs, launching this file: a job may be ["probe:NAME", *args]. {name: Run}."""
+    from conftest import Run, assert_ok, run_cmd, torchrun_cmd
+
+    folder = Path(tempfile.mkdtemp(prefix="jobs-"))
+    try:
+        (folder / "jobs.json").write_text(json.dumps([{"name": n, "args": a} for n, a in jobs.items()]))
+        argv = [str(folder / "jobs.json"), str(folder)]
+        cmd = [sys.executable, __file__, *argv] if nproc is None else torchrun_cmd(nproc, argv, script=Path(__file__))
+        run = run_cmd(cmd, timeout)
+        assert_ok(run)
+        ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(nproc or 1)]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return {
+        name: Run(
+            ranks[0][name]["returncode"],
+            "".join(rank[name]["stdout"] for rank in ranks),
+            "".join(rank[name]["stderr"] for rank in ranks),
+            run.seconds,
+            tuple(rank[name]["returncode"] for rank in ranks),
+        )
+        for name in jobs
+    }
+
+
+if __name__ == "__main__":
+    worker.run_job = run_job  # worker.main's loop runs each job through this module's run_job
+    worker.main(*sys.argv[1:])
