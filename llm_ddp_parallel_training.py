@@ -515,27 +515,6 @@ def all_reduce_sum(d: Dist, values: list[float]) -> list[float]:
 # ----------------------------------------------------------------------------------------------
 
 
-class Rows(Dataset):
-    """Training examples made one row at a time, when a batch asks for it, from flat arrays of
-    tokens (read from the token cache, section 11, as batches ask): nothing is ever held padded to
-    seq_len, so memory does not grow with seq_len x examples. Row i is (inputs, targets[,
-    positions]), each of seq_len tokens; trim_padding then cuts the batch to its longest row. The
-    byte model's rows are ShiftingWindows and ByteWindows, a pretrained model's TokenRows (section 11)."""
-
-    def set_epoch(self, epoch: int) -> None:
-        """Fixed rows: only the sampler's order changes between epochs."""
-
-    @functools.cached_property
-    def whole(self) -> Examples:
-        """Every row at once, padded: for looking at a few rows, never for a real data set."""
-        columns = [torch.stack(c) for c in zip(*(self[i] for i in range(len(self))), strict=True)]
-        return Examples(columns[0], columns[1], self.target_bytes, columns[2] if len(columns) > 2 else None)
-
-    inputs = property(lambda self: self.whole.inputs)
-    targets = property(lambda self: self.whole.targets)
-    positions = property(lambda self: self.whole.positions)
-
-
 def held_out(n: int, val_fraction: float, seed: int) -> np.ndarray:
     """Hold out a fraction of the n lines (or records) for validation: the same ones on every rank.
     Returns which are held out (bool, one per line); the rest train.
@@ -557,14 +536,6 @@ def held_out(n: int, val_fraction: float, seed: int) -> np.ndarray:
     return chosen
 
 
-def split_lines(lines: list, val_fraction: float, seed: int) -> tuple[list, list]:
-    """held_out, for a list of lines or records: (training, held out)."""
-    val = held_out(len(lines), val_fraction, seed)
-    return [line for line, v in zip(lines, val, strict=True) if not v], [
-        line for line, v in zip(lines, val, strict=True) if v
-    ]
-
-
 def trim_padding(batch: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
     """Stack a batch (inputs, targets[, positions]), then cut the columns after its last target:
     a batch is padded only as far as its longest example needs. Padding sits on the right, and
@@ -574,15 +545,6 @@ def trim_padding(batch: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, .
     used = (columns[1] != IGNORE_INDEX).any(dim=0).nonzero()
     width = int(used.max()) + 1 if len(used) else columns[1].shape[1]
     return tuple(c[:, :width].contiguous() for c in columns)
-
-
-def collate_for(cfg: RunConfig) -> Callable[[list], tuple[torch.Tensor, ...]]:
-    """How a micro-batch is stacked. Under sdpa and eager, packed rows stay rows: transformers builds
-    each row a block-diagonal causal mask from its position_ids, and one long row would make that
-    mask (and attention's work) grow with the square of the whole micro-batch. (flash_attention_2
-    needs one row per micro-batch: flatten_rows, section 11.)"""
-    flash = cfg.model == "hf" and cfg.pack and cfg.attn_implementation.startswith("flash_attention")
-    return flatten_rows if flash else trim_padding
 
 
 class LeanDistributedSampler(DistributedSampler):
@@ -723,32 +685,6 @@ class TinyTransformer(nn.Module):
         return self.head(self.ln_f(x)) if self.head is not None else x
 
 
-def load_tiny_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> TinyTransformer:
-    """Rebuild the trained tiny model from its checkpoint file alone."""
-    ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    model = TinyTransformer(TinyConfig(**ckpt["config"]))
-    model.load_state_dict(ckpt["model"])
-    return model.eval()
-
-
-@torch.no_grad()
-def generate_bytes(model: TinyTransformer, prompt: str, max_new: int, seed: int) -> str:
-    """Sample a continuation of the prompt until the end of the line (the model's own "\\n")."""
-    device = next(model.parameters()).device
-    ids = torch.tensor([[NEWLINE, *prompt.encode("utf-8")]], device=device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    out = bytearray()
-    for _ in range(max_new):
-        logits = model(ids[:, -model.config.seq_len :])[0, -1].float()
-        probs = torch.softmax(logits / 0.8, dim=-1)  # temperature 0.8: a little sharper than raw
-        nxt = torch.multinomial(probs, 1, generator=gen)
-        if nxt.item() == NEWLINE:
-            break
-        out.append(int(nxt.item()))
-        ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
-    return prompt + out.decode("utf-8", errors="replace")
-
-
 @dataclass
 class ModelKit:
     """What the shared training loop needs from a model path; the rest stays in its builder."""
@@ -774,11 +710,6 @@ class ModelKit:
     @property
     def trained(self) -> nn.Module:
         return self.loss_module or self.model
-
-
-def tiny_parameter_count(c: TinyConfig) -> int:
-    """Embeddings and head, plus per block: qkv 3d², proj d², MLP 8d², two norms."""
-    return (2 * c.vocab_size + c.seq_len) * c.d_model + c.n_layers * (12 * c.d_model**2 + 2 * c.d_model) + c.d_model
 
 
 def build_tiny_kit(cfg: RunConfig, d: Dist, lines: Lines, val_lines: Lines) -> ModelKit:
@@ -1224,29 +1155,6 @@ def make_optimizer(cfg: RunConfig, d: Dist, params: list[nn.Parameter]) -> torch
     return kind(params, **options)
 
 
-def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
-    inner = getattr(optimizer, "optim", optimizer)
-    # A saved group carries how the saving run stepped (fused or a per-tensor loop): this run keeps its own.
-    kept = [[{k: g[k] for k in ("fused", "foreach") if k in g} for g in o.param_groups] for o in (optimizer, inner)]
-    optimizer.load_state_dict(state)  # ShardedOptimizer and ZeroRedundancyOptimizer keep their own share
-    for o, groups in zip((optimizer, inner), kept, strict=True):
-        for group, own in zip(o.param_groups, groups, strict=True):
-            group.update(own)
-    # torch's ZeroRedundancyOptimizer moves every 0-d state tensor (Adam's step) to the CPU as it
-    # loads (torch 2.13), and the fused and capturable kernels refuse a step that is not on its
-    # parameter's device (pytorch#124133): put it where a step() would have kept it.
-    if inner.defaults.get("fused") or inner.defaults.get("capturable"):
-        for p, s in inner.state.items():
-            if torch.is_tensor(s.get("step")):
-                s["step"] = s["step"].to(p.device, torch.float32)
-
-
-def holds_a_share(optimizer: torch.optim.Optimizer) -> bool:
-    """ZeRO-1 (ShardedOptimizer, torch's ZeroRedundancyOptimizer): each rank's inner optimizer holds
-    the state of its own parameters only."""
-    return hasattr(optimizer, "optim")
-
-
 def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
     """The update, the same on every rank (the gradients are); fp16's scaler skips a step whose
     gradient overflowed and lowers its scale."""
@@ -1484,6 +1392,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
 def _options(group: dict) -> dict:
     return {k: v for k, v in group.items() if k != "params"}
+
+
+def holds_a_share(optimizer: torch.optim.Optimizer) -> bool:
+    """ZeRO-1 (ShardedOptimizer, torch's ZeroRedundancyOptimizer): each rank's inner optimizer holds
+    the state of its own parameters only."""
+    return hasattr(optimizer, "optim")
 
 
 @dataclass(eq=False)
@@ -2202,170 +2116,53 @@ class TensorParallel(WholeModel):
                 "embeddings, norms, head whole")  # fmt: skip
 
 
-class Pipeline(Wrapper):
-    """Pipeline parallelism over the pipeline group: this rank holds one stage, a run of whole
-    blocks (the first stage the embeddings too, the last the final norm and head), and the step's
-    --grad-accum-steps micro-batches flow through the stages, activations forward and their
-    gradients back, so that a pipelined step is exactly the accumulated one. GPipe runs every
-    micro-batch's forward, then every backward; 1F1B, once the pipeline is full, alternates one
-    forward with one backward, so a stage holds at most (stages - its index) micro-batches'
-    activations. The idle time while it fills and drains is the bubble: (S - 1) / (M + S - 1) of
-    the step for S stages and M micro-batches. --ddp manual schedules over isend/irecv; --ddp torch
-    with torch.distributed.pipelining. Under data parallelism the stage's replicas then average
-    their gradients, bucket by bucket, as DDP would."""
+def stage_blocks(stage: int, n_layers: int, stages: int) -> range:
+    """The blocks of a stage: a contiguous run, the stages as even as the blocks allow."""
+    return range(stage * n_layers // stages, (stage + 1) * n_layers // stages)
 
-    def __init__(self, kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats) -> None:
-        model, n = kit.model, len(kit.model.blocks)
-        self.first, self.last = d.pp_rank == 0, d.pp_rank == d.pp - 1
-        self.owned = stage_blocks(d.pp_rank, n, d.pp)
-        for i in range(n):  # the other stages' parts are taken out: this rank holds only its own
-            if i not in self.owned:
-                model.blocks[i] = nn.Identity()
-        if not self.first:
-            model.tok_emb = model.pos_emb = None
-        if not self.last:
-            model.ln_f = model.head = None
-        super().__init__(model, StageSplit(d, self.last, self.first, self.owned))
-        self.d, self.cfg, self.stats = d, cfg, stats
-        self.group, self.ranks = d.group("pp"), dist.get_process_group_ranks(d.group("pp"))
-        self.sync = ManualDDP(model, d, cfg.bucket_mb, stats, self.split) if d.dp > 1 else None
-        self.all_reduces_buckets = self.sync is not None
-        self.schedule = None  # torch's, made at the first step, for that many micro-batches
-        self.in_flight: list[tuple[dist.Work, object, dict]] = []  # sends not yet seen done
 
-    def padded(self, batch: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every micro-batch at --seq-len: the stages exchange activations of one shape."""
-        inputs, targets = batch[:2]
-        pad = self.cfg.seq_len - inputs.shape[1]
-        return F.pad(inputs, (0, pad)), F.pad(targets, (0, pad), value=IGNORE_INDEX)
+def stage_of(name: str, n_layers: int, stages: int) -> int:
+    """The stage that holds parameter `name`: its block's; the embeddings the first's, the rest the last's."""
+    if name.startswith("blocks."):
+        block = int(name.split(".")[1])
+        return next(s for s in range(stages) if block in stage_blocks(s, n_layers, stages))
+    return 0 if name.startswith(("tok_emb", "pos_emb")) else stages - 1
 
-    def forward_backward(self, micro_batches: list[tuple], scales: list[float], micro: MicroStep) -> torch.Tensor:
-        batches = [self.padded(b) for b in micro_batches]
-        with self.sync.no_sync() if self.sync else contextlib.nullcontext():
-            losses = (self.torch_schedule if self.cfg.ddp == "torch" else self.manual_schedule)(batches, scales, micro)
-        return torch.stack(losses).sum() if losses else torch.zeros((), device=self.d.device)
 
-    def send(self, t: torch.Tensor, to: int) -> None:
-        """t to the stage `to` steps away (+1: the next, -1: the one before), counted; traced once seen done."""
-        self.stats.count("pipeline send", t.nbytes)
-        work = dist.isend(t.detach(), self.ranks[self.d.pp_rank + to], group=self.group)
-        self.in_flight.append((work, self.mark(), {"to stage": self.d.pp_rank + to, "bytes": t.nbytes}))
+class StageSplit(WholeModel):
+    """A pipeline stage's part of the model: its own parameters whole, the others' none."""
 
-    def settle(self, wait: bool = False) -> None:
-        """The sends seen done (all, with wait) leave the flight list, each a span on the timeline."""
-        for flight in list(self.in_flight):
-            work, start, args = flight
-            if wait:
-                work.wait()
-            if wait or work.is_completed():
-                self.in_flight.remove(flight)
-                self.span("send", start, args)
+    def __init__(self, d: Dist, last: bool, first: bool, owned: range) -> None:
+        self.group, self.loss_share = d.group("pp"), float(last)  # only the last stage computes the loss
+        self.first, self.last, self.owned, self.stage = first, last, owned, d.pp_rank
 
-    def receive(self, shape: tuple, frm: int, micro: MicroStep) -> torch.Tensor:
-        """A tensor from the stage `frm` steps away; the wait for it, this stage idle, is its bubble."""
-        self.settle()
-        t, start = torch.empty(shape, device=self.d.device), self.mark()
-        dist.irecv(t, self.ranks[self.d.pp_rank + frm], group=self.group).wait()
-        self.span("recv", start, {"from stage": self.d.pp_rank + frm, "bytes": t.nbytes})
-        micro.side.mark("bubble")  # this stage idle, waiting for its neighbour
-        return t
+    def clip_gradients(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        """One global norm: each stage's squares, summed over the pipeline's stages."""
+        grads = [p.grad for p in params if p.grad is not None]
+        total = sum((g.float().square().sum() for g in grads), torch.zeros((), device=grads[0].device))
+        dist.all_reduce(total, group=self.group)
+        norm = total.sqrt()
+        if max_norm:
+            coef = min(1.0, max_norm / (float(norm) + 1e-6))
+            for g in grads:
+                g.mul_(coef)
+        return norm
 
-    def mark(self) -> object:
-        timeline = self.stats.timeline
-        return timeline.now() if timeline is not None and timeline.on else None
+    def holdings(self) -> str:
+        parts = ["the embeddings"] * self.first + [f"blocks {self.owned.start}-{self.owned.stop - 1}"]
+        return f"stage {self.stage}: " + ", ".join(parts + ["the final norm and head"] * self.last)
 
-    def span(self, name: str, start: object, args: dict) -> None:
-        if start is not None and self.stats.timeline.on:
-            self.stats.timeline.pending.append((name, start, self.stats.timeline.now(), args))
+    def ownership(self, named_params: list) -> list[str]:
+        return [f"{self.holdings()} ({sum(p.numel() for _, p in named_params):,} weights)"]
 
-    def manual_schedule(self, batches: list[tuple], scales: list[float], micro: MicroStep) -> list[torch.Tensor]:
-        """GPipe or 1F1B from scratch: a stage receives its input from the one before (the first reads
-        the ids), computes, and sends its output on; backward runs the other way."""
-        inputs, outputs, losses = {}, {}, []
-        shape = (*batches[0][0].shape, self.cfg.d_model)
 
-        def forward(m: int) -> None:
-            x = batches[m][0] if self.first else self.receive(shape, -1, micro).requires_grad_()
-            if self.last:  # the loss, scaled as section 6 says
-                loss = micro.forward(self.module, (x, batches[m][1]))
-                losses.append(loss.detach())
-                outputs[m] = loss * scales[m]
-            else:
-                with autocast_for(micro.precision, self.d.device):
-                    outputs[m] = self.module(x)
-                micro.side.mark("forward")
-                self.send(outputs[m], +1)
-            inputs[m] = x
+class StageState:
+    """What a pipeline answers for the rest of the script: the whole state from its stages, each of
+    which holds its own parameters whole (checkpoints, the final save, --inspect, --verify-sync)."""
 
-        def backward(m: int) -> None:
-            y, x = outputs.pop(m), inputs.pop(m)
-            if self.last:
-                micro.backward(y)
-            else:
-                y.backward(self.receive(y.shape, +1, micro))
-                micro.side.mark("backward")
-            if not self.first:
-                self.send(x.grad, -1)
-
-        # GPipe: every forward first. 1F1B: as many as the stages after this one need to start (the
-        # last stage none), then one forward and one backward, then the backwards left over.
-        count = len(batches)
-        warmup = min(count, count if self.cfg.pp_schedule == "gpipe" else self.d.pp - self.d.pp_rank - 1)
-        for m in range(warmup):
-            forward(m)
-        for m in range(warmup, count):
-            forward(m)
-            backward(m - warmup)
-        for m in range(count - warmup, count):
-            backward(m)
-        self.settle(wait=True)
-        return losses
-
-    def torch_schedule(self, batches: list[tuple], scales: list[float], micro: MicroStep) -> list[torch.Tensor]:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-        # A micro-batch's scale from its own target count (the same count gives the same scale): torch
-        # calls loss_fn once more on its first step, to check the stage's output, so an index would slip.
-        scale_of = {int((t != IGNORE_INDEX).sum()): scale for (_, t), scale in zip(batches, scales, strict=True)}
-        losses: list[torch.Tensor] = []
-
-        def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            loss = micro.side.loss(token_loss_sum(logits, targets))
-            losses.append(loss.detach())
-            return loss * scale_of[int((targets != IGNORE_INDEX).sum())]
-
-        if self.schedule is None:
-            stage = PipelineStage(self.module, self.d.pp_rank, self.d.pp, self.d.device, group=self.group)
-            kind = ScheduleGPipe if self.cfg.pp_schedule == "gpipe" else Schedule1F1B
-            # scale_grads=False: each loss is already divided as section 6 says, not by the micro-batches
-            self.schedule = kind(stage, len(batches), loss_fn=lambda y, t: self.loss_fn(y, t), scale_grads=False)
-        self.loss_fn = loss_fn
-        ids, targets = (torch.cat(column) for column in zip(*batches, strict=True))
-        with autocast_for(micro.precision, self.d.device):
-            if self.first:
-                self.schedule.step(ids)
-            else:
-                self.schedule.step(target=targets if self.last else None, losses=[] if self.last else None)
-        return losses[-len(batches) :]  # the micro-batches' own, without that first check
-
-    def finish_gradient_sync(self) -> None:
-        if self.sync:  # the replicas of this stage average its gradients: no_sync kept them local till now
-            for p in self.sync.place:
-                if p.grad is not None:
-                    self.sync._gradient_ready(p)
-            self.sync.finish_gradient_sync()
-
-    def eval_loss(self, kit: ModelKit, batch: tuple) -> torch.Tensor:
-        """Forward only, through the stages; the loss on the last (0 elsewhere: its share is 0)."""
-        x, targets = self.padded(batch)
-        if not self.first:
-            received = torch.empty((*x.shape, self.cfg.d_model), device=self.d.device)
-            dist.recv(received, self.ranks[self.d.pp_rank - 1], group=self.group)
-            x = received
-        if self.last:
-            return token_loss_sum(self.module(x), targets)
-        dist.send(self.module(x), self.ranks[self.d.pp_rank + 1], group=self.group)
-        return torch.zeros((), device=self.d.device)
+    d: Dist
+    group: dist.ProcessGroup
+    split: StageSplit
 
     def gather_stages(self, mine: object) -> list | None:
         """Every stage's `mine`, in stage order, on rank 0 (a collective of the first replica's stages)."""
@@ -2409,44 +2206,175 @@ class Pipeline(Wrapper):
         return self.split.ownership(named_params)
 
 
-def stage_blocks(stage: int, n_layers: int, stages: int) -> range:
-    """The blocks of a stage: a contiguous run, the stages as even as the blocks allow."""
-    return range(stage * n_layers // stages, (stage + 1) * n_layers // stages)
+class Pipeline(StageState, Wrapper):
+    """Pipeline parallelism over the pipeline group: this rank holds one stage, a run of whole
+    blocks (the first stage the embeddings too, the last the final norm and head), and the step's
+    --grad-accum-steps micro-batches flow through the stages, activations forward and their
+    gradients back, so that a pipelined step is exactly the accumulated one. GPipe runs every
+    micro-batch's forward, then every backward; 1F1B, once the pipeline is full, alternates one
+    forward with one backward, so a stage holds at most (stages - its index) micro-batches'
+    activations. The idle time while it fills and drains is the bubble: (S - 1) / (M + S - 1) of
+    the step for S stages and M micro-batches. --ddp manual schedules over isend/irecv; --ddp torch
+    with torch.distributed.pipelining. Under data parallelism the stage's replicas then average
+    their gradients, bucket by bucket, as DDP would."""
+
+    def __init__(self, kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats) -> None:
+        model, n = kit.model, len(kit.model.blocks)
+        self.first, self.last = d.pp_rank == 0, d.pp_rank == d.pp - 1
+        self.owned = stage_blocks(d.pp_rank, n, d.pp)
+        for i in range(n):  # the other stages' parts are taken out: this rank holds only its own
+            if i not in self.owned:
+                model.blocks[i] = nn.Identity()
+        if not self.first:
+            model.tok_emb = model.pos_emb = None
+        if not self.last:
+            model.ln_f = model.head = None
+        super().__init__(model, StageSplit(d, self.last, self.first, self.owned))
+        self.d, self.cfg, self.stats = d, cfg, stats
+        self.group, self.ranks = d.group("pp"), dist.get_process_group_ranks(d.group("pp"))
+        self.sync = ManualDDP(model, d, cfg.bucket_mb, stats, self.split) if d.dp > 1 else None
+        self.all_reduces_buckets = self.sync is not None
+        self.in_flight: list[tuple[dist.Work, object, dict]] = []  # sends not yet seen done
+
+    def padded(self, batch: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every micro-batch at --seq-len: the stages exchange activations of one shape."""
+        inputs, targets = batch[:2]
+        pad = self.cfg.seq_len - inputs.shape[1]
+        return F.pad(inputs, (0, pad)), F.pad(targets, (0, pad), value=IGNORE_INDEX)
+
+    def forward_backward(self, micro_batches: list[tuple], scales: list[float], micro: MicroStep) -> torch.Tensor:
+        batches = [self.padded(b) for b in micro_batches]
+        with self.sync.no_sync() if self.sync else contextlib.nullcontext():
+            losses = self.schedule_step(batches, scales, micro)
+        return torch.stack(losses).sum() if losses else torch.zeros((), device=self.d.device)
+
+    def send(self, t: torch.Tensor, to: int) -> None:
+        """t to the stage `to` steps away (+1: the next, -1: the one before), counted; traced once seen done."""
+        self.stats.count("pipeline send", t.nbytes)
+        work = dist.isend(t.detach(), self.ranks[self.d.pp_rank + to], group=self.group)
+        self.in_flight.append((work, self.mark(), {"to stage": self.d.pp_rank + to, "bytes": t.nbytes}))
+
+    def settle(self, wait: bool = False) -> None:
+        """The sends seen done (all, with wait) leave the flight list, each a span on the timeline."""
+        for flight in list(self.in_flight):
+            work, start, args = flight
+            if wait:
+                work.wait()
+            if wait or work.is_completed():
+                self.in_flight.remove(flight)
+                self.span("send", start, args)
+
+    def receive(self, shape: tuple, frm: int, micro: MicroStep) -> torch.Tensor:
+        """A tensor from the stage `frm` steps away; the wait for it, this stage idle, is its bubble."""
+        self.settle()
+        t, start = torch.empty(shape, device=self.d.device), self.mark()
+        dist.irecv(t, self.ranks[self.d.pp_rank + frm], group=self.group).wait()
+        self.span("recv", start, {"from stage": self.d.pp_rank + frm, "bytes": t.nbytes})
+        micro.side.mark("bubble")  # this stage idle, waiting for its neighbour
+        return t
+
+    def mark(self) -> object:
+        timeline = self.stats.timeline
+        return timeline.now() if timeline is not None and timeline.on else None
+
+    def span(self, name: str, start: object, args: dict) -> None:
+        if start is not None and self.stats.timeline.on:
+            self.stats.timeline.pending.append((name, start, self.stats.timeline.now(), args))
+
+    def schedule_step(self, batches: list[tuple], scales: list[float], micro: MicroStep) -> list[torch.Tensor]:
+        """GPipe or 1F1B from scratch: a stage receives its input from the one before (the first reads
+        the ids), computes, and sends its output on; backward runs the other way."""
+        inputs, outputs, losses = {}, {}, []
+        shape = (*batches[0][0].shape, self.cfg.d_model)
+
+        def forward(m: int) -> None:
+            x = batches[m][0] if self.first else self.receive(shape, -1, micro).requires_grad_()
+            if self.last:  # the loss, scaled as section 6 says
+                loss = micro.forward(self.module, (x, batches[m][1]))
+                losses.append(loss.detach())
+                outputs[m] = loss * scales[m]
+            else:
+                with autocast_for(micro.precision, self.d.device):
+                    outputs[m] = self.module(x)
+                micro.side.mark("forward")
+                self.send(outputs[m], +1)
+            inputs[m] = x
+
+        def backward(m: int) -> None:
+            y, x = outputs.pop(m), inputs.pop(m)
+            if self.last:
+                micro.backward(y)
+            else:
+                y.backward(self.receive(y.shape, +1, micro))
+                micro.side.mark("backward")
+            if not self.first:
+                self.send(x.grad, -1)
+
+        # GPipe: every forward first. 1F1B: as many as the stages after this one need to start (the
+        # last stage none), then one forward and one backward, then the backwards left over.
+        count = len(batches)
+        warmup = min(count, count if self.cfg.pp_schedule == "gpipe" else self.d.pp - self.d.pp_rank - 1)
+        for m in range(warmup):
+            forward(m)
+        for m in range(warmup, count):
+            forward(m)
+            backward(m - warmup)
+        for m in range(count - warmup, count):
+            backward(m)
+        self.settle(wait=True)
+        return losses
+
+    def finish_gradient_sync(self) -> None:
+        if self.sync:  # the replicas of this stage average its gradients: no_sync kept them local till now
+            for p in self.sync.place:
+                if p.grad is not None:
+                    self.sync._gradient_ready(p)
+            self.sync.finish_gradient_sync()
+
+    def eval_loss(self, kit: ModelKit, batch: tuple) -> torch.Tensor:
+        """Forward only, through the stages; the loss on the last (0 elsewhere: its share is 0)."""
+        x, targets = self.padded(batch)
+        if not self.first:
+            received = torch.empty((*x.shape, self.cfg.d_model), device=self.d.device)
+            dist.recv(received, self.ranks[self.d.pp_rank - 1], group=self.group)
+            x = received
+        if self.last:
+            return token_loss_sum(self.module(x), targets)
+        dist.send(self.module(x), self.ranks[self.d.pp_rank + 1], group=self.group)
+        return torch.zeros((), device=self.d.device)
 
 
-def stage_of(name: str, n_layers: int, stages: int) -> int:
-    """The stage that holds parameter `name`: its block's; the embeddings the first's, the rest the last's."""
-    if name.startswith("blocks."):
-        block = int(name.split(".")[1])
-        return next(s for s in range(stages) if block in stage_blocks(s, n_layers, stages))
-    return 0 if name.startswith(("tok_emb", "pos_emb")) else stages - 1
+class TorchPipeline(Pipeline):
+    """The same stages under torch.distributed.pipelining: PipelineStage and its GPipe or 1F1B schedule."""
 
+    schedule = None  # made at the first step, for that many micro-batches
 
-class StageSplit(WholeModel):
-    """A pipeline stage's part of the model: its own parameters whole, the others' none."""
+    def schedule_step(self, batches: list[tuple], scales: list[float], micro: MicroStep) -> list[torch.Tensor]:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    def __init__(self, d: Dist, last: bool, first: bool, owned: range) -> None:
-        self.group, self.loss_share = d.group("pp"), float(last)  # only the last stage computes the loss
-        self.first, self.last, self.owned, self.stage = first, last, owned, d.pp_rank
+        # A micro-batch's scale from its own target count (the same count gives the same scale): torch
+        # calls loss_fn once more on its first step, to check the stage's output, so an index would slip.
+        scale_of = {int((t != IGNORE_INDEX).sum()): scale for (_, t), scale in zip(batches, scales, strict=True)}
+        losses: list[torch.Tensor] = []
 
-    def clip_gradients(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-        """One global norm: each stage's squares, summed over the pipeline's stages."""
-        grads = [p.grad for p in params if p.grad is not None]
-        total = sum((g.float().square().sum() for g in grads), torch.zeros((), device=grads[0].device))
-        dist.all_reduce(total, group=self.group)
-        norm = total.sqrt()
-        if max_norm:
-            coef = min(1.0, max_norm / (float(norm) + 1e-6))
-            for g in grads:
-                g.mul_(coef)
-        return norm
+        def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            loss = micro.side.loss(token_loss_sum(logits, targets))
+            losses.append(loss.detach())
+            return loss * scale_of[int((targets != IGNORE_INDEX).sum())]
 
-    def holdings(self) -> str:
-        parts = ["the embeddings"] * self.first + [f"blocks {self.owned.start}-{self.owned.stop - 1}"]
-        return f"stage {self.stage}: " + ", ".join(parts + ["the final norm and head"] * self.last)
-
-    def ownership(self, named_params: list) -> list[str]:
-        return [f"{self.holdings()} ({sum(p.numel() for _, p in named_params):,} weights)"]
+        if self.schedule is None:
+            stage = PipelineStage(self.module, self.d.pp_rank, self.d.pp, self.d.device, group=self.group)
+            kind = ScheduleGPipe if self.cfg.pp_schedule == "gpipe" else Schedule1F1B
+            # scale_grads=False: each loss is already divided as section 6 says, not by the micro-batches
+            self.schedule = kind(stage, len(batches), loss_fn=lambda y, t: self.loss_fn(y, t), scale_grads=False)
+        self.loss_fn = loss_fn
+        ids, targets = (torch.cat(column) for column in zip(*batches, strict=True))
+        with autocast_for(micro.precision, self.d.device):
+            if self.first:
+                self.schedule.step(ids)
+            else:
+                self.schedule.step(target=targets if self.last else None, losses=[] if self.last else None)
+        return losses[-len(batches) :]  # the micro-batches' own, without that first check
 
 
 def split_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats) -> WholeModel | None:
@@ -2460,7 +2388,7 @@ def wrap_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats, split: 
     """The model as every rank trains it: replicated (DDP, section 5), sharded (FSDP, section 7), or
     split (here): a pipeline's stage, or tensor-parallel slices under DDP or FSDP."""
     if d.pp > 1:
-        return Pipeline(kit, cfg, d, stats)
+        return (TorchPipeline if cfg.ddp == "torch" else Pipeline)(kit, cfg, d, stats)
     if d.distributed and cfg.sharding == "full":
         return shard_fully(kit, cfg, d, stats, split)
     if split and d.dp > 1 and cfg.ddp == "torch":
@@ -2939,7 +2867,7 @@ def read_corpus_lines(path: Path) -> list[str]:
 
 @dataclass(frozen=True)
 class Examples(Dataset):
-    """Rows as padded tensors, all in memory: a handful of rows to look at (Rows.whole, section 3), or your own."""
+    """Rows as padded tensors, all in memory: a handful of rows to look at (Rows.whole), or your own."""
 
     inputs: torch.Tensor  # (N, T) int64
     targets: torch.Tensor  # (N, T) int64, IGNORE_INDEX on padding
@@ -3446,6 +3374,27 @@ class Pieces:
         return torch.from_numpy(np.concatenate(parts).astype(np.int64))
 
 
+class Rows(Dataset):
+    """Training examples made one row at a time, when a batch asks for it, from flat arrays of
+    tokens (read from the token cache, section 11, as batches ask): nothing is ever held padded to
+    seq_len, so memory does not grow with seq_len x examples. Row i is (inputs, targets[,
+    positions]), each of seq_len tokens; trim_padding then cuts the batch to its longest row. The
+    byte model's rows are ShiftingWindows and ByteWindows, a pretrained model's TokenRows (section 11)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        """Fixed rows: only the sampler's order changes between epochs."""
+
+    @functools.cached_property
+    def whole(self) -> Examples:
+        """Every row at once, padded: for looking at a few rows, never for a real data set."""
+        columns = [torch.stack(c) for c in zip(*(self[i] for i in range(len(self))), strict=True)]
+        return Examples(columns[0], columns[1], self.target_bytes, columns[2] if len(columns) > 2 else None)
+
+    inputs = property(lambda self: self.whole.inputs)
+    targets = property(lambda self: self.whole.targets)
+    positions = property(lambda self: self.whole.positions)
+
+
 class ShiftingWindows(Rows):
     """Packed training data: one byte stream, cut into seq_len windows (every one full: no compute
     goes to padding) at an offset that moves every epoch, drawn from --seed and the epoch: the same
@@ -3675,6 +3624,15 @@ def show_examples(cfg: RunConfig, d: Dist, records: list[Record]) -> None:
         texts = [decode(ids[:end]) for end in ends]
         runs = [(b[len(a) :], is_target[end - 1]) for a, b, end in zip(["", *texts], texts, ends, strict=False)]
         say("".join(f"[[{text}]]" if target else text for text, target in runs))
+
+
+def collate_for(cfg: RunConfig) -> Callable[[list], tuple[torch.Tensor, ...]]:
+    """How a micro-batch is stacked. Under sdpa and eager, packed rows stay rows: transformers builds
+    each row a block-diagonal causal mask from its position_ids, and one long row would make that
+    mask (and attention's work) grow with the square of the whole micro-batch. (flash_attention_2
+    needs one row per micro-batch: flatten_rows, section 11.)"""
+    flash = cfg.model == "hf" and cfg.pack and cfg.attn_implementation.startswith("flash_attention")
+    return flatten_rows if flash else trim_padding
 
 
 def flatten_rows(batch: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
@@ -4133,6 +4091,11 @@ def corpus_from(arrays: dict[str, np.ndarray | FileArray], meta: dict, key: str)
 # The pretrained path's outputs keep the names they had when it served Qwen alone: users' scripts read them.
 QWEN_FINAL = "qwen_lora"  # the trained adapters and tokenizer, in OUTPUT_DIR
 QWEN_FULL_FINAL = "qwen_full"  # --finetune full: the whole fine-tuned model and tokenizer, in OUTPUT_DIR
+
+
+def tiny_parameter_count(c: TinyConfig) -> int:
+    """Embeddings and head, plus per block: qkv 3d², proj d², MLP 8d², two norms."""
+    return (2 * c.vocab_size + c.seq_len) * c.d_model + c.n_layers * (12 * c.d_model**2 + 2 * c.d_model) + c.d_model
 
 
 def check_model_fits(n_params: int, d: Dist) -> None:
@@ -5302,6 +5265,24 @@ def raise_non_finite(d: Dist, step: int, loss: float, grad_norm: float, local_lo
 # ----------------------------------------------------------------------------------------------
 
 
+@torch.no_grad()
+def generate_bytes(model: TinyTransformer, prompt: str, max_new: int, seed: int) -> str:
+    """Sample a continuation of the prompt until the end of the line (the model's own "\\n")."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([[NEWLINE, *prompt.encode("utf-8")]], device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = bytearray()
+    for _ in range(max_new):
+        logits = model(ids[:, -model.config.seq_len :])[0, -1].float()
+        probs = torch.softmax(logits / 0.8, dim=-1)  # temperature 0.8: a little sharper than raw
+        nxt = torch.multinomial(probs, 1, generator=gen)
+        if nxt.item() == NEWLINE:
+            break
+        out.append(int(nxt.item()))
+        ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+    return prompt + out.decode("utf-8", errors="replace")
+
+
 def say(message: str) -> None:
     """Print a line on stdout without breaking a progress bar drawn on stderr."""
     tqdm.write(message, file=sys.stdout)
@@ -5692,6 +5673,31 @@ def print_summary(cfg: RunConfig, d: Dist, result: TrainResult, wall_seconds: fl
 # ----------------------------------------------------------------------------------------------
 # 17. Save: rank 0 writes while the others wait for it; locks, checkpoints and resume, stop markers
 # ----------------------------------------------------------------------------------------------
+
+
+def load_tiny_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> TinyTransformer:
+    """Rebuild the trained tiny model from its checkpoint file alone."""
+    ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    model = TinyTransformer(TinyConfig(**ckpt["config"]))
+    model.load_state_dict(ckpt["model"])
+    return model.eval()
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    inner = getattr(optimizer, "optim", optimizer)
+    # A saved group carries how the saving run stepped (fused or a per-tensor loop): this run keeps its own.
+    kept = [[{k: g[k] for k in ("fused", "foreach") if k in g} for g in o.param_groups] for o in (optimizer, inner)]
+    optimizer.load_state_dict(state)  # ShardedOptimizer and ZeroRedundancyOptimizer keep their own share
+    for o, groups in zip((optimizer, inner), kept, strict=True):
+        for group, own in zip(o.param_groups, groups, strict=True):
+            group.update(own)
+    # torch's ZeroRedundancyOptimizer moves every 0-d state tensor (Adam's step) to the CPU as it
+    # loads (torch 2.13), and the fused and capturable kernels refuse a step that is not on its
+    # parameter's device (pytorch#124133): put it where a step() would have kept it.
+    if inner.defaults.get("fused") or inner.defaults.get("capturable"):
+        for p, s in inner.state.items():
+            if torch.is_tensor(s.get("step")):
+                s["step"] = s["step"].to(p.device, torch.float32)
 
 
 def atomic_write(path: Path, data: bytes) -> None:
