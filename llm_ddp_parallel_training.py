@@ -5548,12 +5548,13 @@ def predict_memory(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
     # A pipeline stage holds its own blocks (its part is cut out later); tensor parallelism has cut its slices already.
     layers = len(kit.blocks)
     params = [p for name, p in kit.trained.named_parameters() if d.pp == 1 or stage_of(name, layers, d.pp) == d.pp_rank]
+    size = {id(p): local_part(p).numel() * p.element_size() for p in params}  # of a DTensor: this rank's part
     trainable = [p for p in params if p.requires_grad]
     moments = 2 if cfg.optimizer == "adamw" else 0  # plain SGD keeps no state
     whole = {
-        "parameters": sum(p.numel() * p.element_size() for p in params),
-        "gradients": sum(p.numel() * p.element_size() for p in trainable),
-        "optimizer_state": moments * sum(p.numel() * p.element_size() for p in trainable),
+        "parameters": sum(size[id(p)] for p in params),
+        "gradients": sum(size[id(p)] for p in trainable),
+        "optimizer_state": moments * sum(size[id(p)] for p in trainable),
     }
     split = {"none": (), "optimizer": ("optimizer_state",), "full": tuple(whole)}[cfg.sharding if n > 1 else "none"]
     units = [*kit.blocks, kit.trained]
