@@ -99,16 +99,19 @@ def launch(args: list[str], nproc: int | None = None, timeout: float = 120, env:
     return run_cmd(cmd, timeout, env)
 
 
-def run_jobs(jobs: dict[str, list[str]], nproc: int | None = None, timeout: float = 240) -> dict[str, Run]:
-    """Run many command lines in one launch (tests/worker.py): nproc ranks under torchrun, or one
-    plain process. For tests whose subject is what a run does, not how it was started: each job
+def run_jobs(
+    jobs: dict[str, list[str]], nproc: int | None = None, timeout: float = 240, worker: Path | None = None
+) -> dict[str, Run]:
+    """Run many command lines in one launch (tests/worker.py, or `worker`, built on it): nproc ranks
+    under torchrun, or one plain process. For tests whose subject is what a run does, not how it was started: each job
     goes through the script's own parse_args(), run() and error report, as under main(). Returns
     each job's Run: rank 0's exit code, every rank's in `codes`, every rank's output in rank order."""
     folder = Path(tempfile.mkdtemp(prefix="jobs-"))
     try:
         (folder / "jobs.json").write_text(json.dumps([{"name": n, "args": a} for n, a in jobs.items()]))
-        worker = [str(REPO / "tests" / "worker.py"), str(folder / "jobs.json"), str(folder)]
-        cmd = [sys.executable, *worker] if nproc is None else torchrun_cmd(nproc, worker[1:], script=Path(worker[0]))
+        argv = [str(folder / "jobs.json"), str(folder)]
+        script = worker or REPO / "tests" / "worker.py"
+        cmd = [sys.executable, str(script), *argv] if nproc is None else torchrun_cmd(nproc, argv, script=script)
         run = run_cmd(cmd, timeout)
         assert_ok(run)
         ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(nproc or 1)]

@@ -12,10 +12,7 @@ From a test: run_jobs_with_probes(jobs, nproc), which is conftest.run_jobs launc
 
 from __future__ import annotations
 
-import json
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -75,28 +72,9 @@ def run_job(args: list[str], d: t.Dist) -> int:
 
 def run_jobs_with_probes(jobs: dict[str, list[str]], nproc: int | None = None, timeout: float = 240) -> dict:
     """conftest.run_jobs, launching this file: a job may be ["probe:NAME", *args]. {name: Run}."""
-    from conftest import Run, assert_ok, run_cmd, torchrun_cmd
+    from conftest import run_jobs
 
-    folder = Path(tempfile.mkdtemp(prefix="jobs-"))
-    try:
-        (folder / "jobs.json").write_text(json.dumps([{"name": n, "args": a} for n, a in jobs.items()]))
-        argv = [str(folder / "jobs.json"), str(folder)]
-        cmd = [sys.executable, __file__, *argv] if nproc is None else torchrun_cmd(nproc, argv, script=Path(__file__))
-        run = run_cmd(cmd, timeout)
-        assert_ok(run)
-        ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(nproc or 1)]
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    return {
-        name: Run(
-            ranks[0][name]["returncode"],
-            "".join(rank[name]["stdout"] for rank in ranks),
-            "".join(rank[name]["stderr"] for rank in ranks),
-            run.seconds,
-            tuple(rank[name]["returncode"] for rank in ranks),
-        )
-        for name in jobs
-    }
+    return run_jobs(jobs, nproc, timeout, worker=Path(__file__))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import io
 import json
 import os
@@ -61,6 +62,10 @@ def main(jobs_file: str, results_dir: str) -> None:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = run_job(job["args"], own)
         results[job["name"]] = {"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+        # The job's DDP reducer and hooks are cyclic garbage: collected now, while no collective is in
+        # flight, not at a random point of a later job, where a rank once aborted ("terminate called
+        # without an active exception": the hazard teardown_distributed guards against at exit).
+        gc.collect()
         if d.distributed:
             dist.barrier()
     Path(results_dir, f"rank{d.rank}.json").write_text(json.dumps(results))
