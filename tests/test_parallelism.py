@@ -51,7 +51,8 @@ TWO_RANK_LAYOUTS = {
     "pp gpipe": ["--pp", "2", "--pp-schedule", "gpipe"],
     "pp 1f1b": ["--pp", "2", "--pp-schedule", "1f1b"],
 }
-FOUR_RANK_LAYOUTS = {"pp x ddp": ["--pp", "2"]}  # --tp 2 --sharding full has no from-scratch twin: refused
+# 4 ranks, 2 replicas of a model split in 2. (--tp 2 --sharding full has no from-scratch twin: refused.)
+FOUR_RANK_LAYOUTS = {"pp x ddp": ["--pp", "2"], "tp x ddp": ["--tp", "2"]}
 HAS_PEFT = importlib.util.find_spec("peft") is not None
 Weights = dict[str, torch.Tensor]
 
@@ -335,7 +336,11 @@ def test_column_and_row_parallel_linears_keep_a_linears_bias(two_ranks):
     # "usable on any nn.Module": nn.Linear has a bias by default. A split that drops it silently
     # computes another function (measured: output off by 0.24, first gradient by 1.3).
     for rank in facts(two_ranks, "tp float64"):
-        assert rank["mlp bias=True output"] < FLOAT64 and rank["mlp bias=True first grad"] < FLOAT64, rank
+        output, grad = rank["mlp bias=True output"], rank["mlp bias=True first grad"]
+        assert output < FLOAT64 and grad < FLOAT64, (
+            f"Linear(bias=True) split by ColumnParallelLinear and RowParallelLinear: the output is off by "
+            f"{output:.3g}, the first weight's gradient by {grad:.3g}"
+        )
 
 
 @pytest.mark.parametrize("schedule", ["manual gpipe", "manual 1f1b", "torch gpipe", "torch 1f1b"])
@@ -410,9 +415,11 @@ def test_a_none_checkpoint_resumed_by_a_pipeline_lands_on_the_uninterrupted_run(
 
 def test_a_tp_fsdp_checkpoint_of_four_ranks_resumed_by_tp_on_two_lands_on_the_uninterrupted_run(four_ranks, two_ranks):
     out = resumed(two_ranks, "sgd tp x full resumed by tp")
-    for reference in (finished(four_ranks, "sgd tp x full/torch"), finished(two_ranks, "sgd ddp")):
+    references = {"uninterrupted on 4 ranks": finished(four_ranks, "sgd tp x full/torch"),
+                  "2-rank DDP": finished(two_ranks, "sgd ddp")}  # fmt: skip
+    for what, reference in references.items():
         diff = max_difference(weights(reference), weights(out))
-        print(f"--tp 2 --sharding full on 4 ranks, then --tp 2 on 2: max |dweight| = {diff:.3g} vs {reference.name}")
+        print(f"--tp 2 --sharding full on 4 ranks, then --tp 2 on 2, vs {what}: max |dweight| = {diff:.3g}")
         assert diff < EXACT
 
 
@@ -474,6 +481,8 @@ def sent_per_step(run: Run) -> str:
 
 
 def test_the_summary_counts_one_steps_tensor_parallel_all_reduces_with_their_bytes(two_ranks):
+    # "Per step" is a training step's traffic: the held-out evaluation at the last step runs forwards
+    # through the split model too (their all-reduces), but is no part of a step.
     # Per micro-batch and block: 2 all-reduces in forward (after proj and the MLP's second Linear),
     # 2 in backward (the inputs of qkv and the MLP's first Linear), each of (2, 64, 32) fp32 = 16 KiB.
     # 2 blocks x 2 micro-batches x 4 = 16 a training step, 0.25 MiB.
