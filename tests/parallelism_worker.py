@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 import sys
-import tempfile
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -233,28 +231,9 @@ def probe_facts(run) -> list[dict]:
 
 def run_jobs(jobs: dict[str, list[str]], nproc: int | None = None, timeout: float = 240) -> dict:
     """conftest.run_jobs, launching this file: a job may be ["probe:NAME", *args]. {name: Run}."""
-    from conftest import Run, assert_ok, run_cmd, torchrun_cmd
+    import conftest
 
-    folder = Path(tempfile.mkdtemp(prefix="jobs-"))
-    try:
-        (folder / "jobs.json").write_text(json.dumps([{"name": n, "args": a} for n, a in jobs.items()]))
-        argv = [str(folder / "jobs.json"), str(folder)]
-        cmd = [sys.executable, __file__, *argv] if nproc is None else torchrun_cmd(nproc, argv, script=Path(__file__))
-        run = run_cmd(cmd, timeout)
-        assert_ok(run)
-        ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(nproc or 1)]
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    return {
-        name: Run(
-            ranks[0][name]["returncode"],
-            "".join(rank[name]["stdout"] for rank in ranks),
-            "".join(rank[name]["stderr"] for rank in ranks),
-            run.seconds,
-            tuple(rank[name]["returncode"] for rank in ranks),
-        )
-        for name in jobs
-    }
+    return conftest.run_jobs(jobs, nproc, timeout, worker=Path(__file__))
 
 
 if __name__ == "__main__":
