@@ -764,7 +764,8 @@ class CommStats:
     def __init__(self, model: nn.Module, compress: bool) -> None:
         self.model = model
         self.compress = compress  # --grad-compression bf16: send bf16, half the bytes
-        self.moved: dict[str, list[int]] = {}  # kind -> [calls, bytes], this rank's, for the whole attempt
+        self.moved: dict[str, list[int]] = {}  # kind -> [calls, bytes], this rank's, over the attempt's steps
+        self.counting = False  # in a training step (from SideWork.begin_step to end_step)
         self.steps = 0
         self.calls = 0
         self.bytes = 0
@@ -779,6 +780,8 @@ class CommStats:
         return {id(p): name for name, p in self.model.named_parameters()}
 
     def count(self, kind: str, nbytes: int) -> None:
+        if not self.counting:
+            return
         moved = self.moved.setdefault(kind, [0, 0])
         moved[0], moved[1] = moved[0] + 1, moved[1] + nbytes
 
@@ -804,7 +807,7 @@ class CommStats:
     def end_step(self) -> tuple[int, int]:
         """Close the optimizer step: return (all-reduce calls, bytes) and note the bucket layout."""
         calls, nbytes = self.calls, self.bytes
-        self.calls, self.bytes, self.steps = 0, 0, self.steps + 1
+        self.calls, self.bytes, self.steps, self.counting = 0, 0, self.steps + 1, False
         if self.step_layout:
             layout = [self.step_layout[i] for i in sorted(self.step_layout)]
             self.layout_changed = bool(self.layout) and layout != self.layout
@@ -1975,9 +1978,12 @@ class ColumnParallelLinear(nn.Module):
         n, r = dist.get_world_size(group), dist.get_rank(group)
         self.group, self.stats = group, stats
         self.weight = nn.Parameter(rank_order(linear.weight.detach(), parts, n).chunk(n)[r].clone())
+        # A bias belongs to the outputs: cut with the rows, as the weight is.
+        b = linear.bias
+        self.bias = None if b is None else nn.Parameter(rank_order(b.detach(), parts, n).chunk(n)[r].clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(CopyToTensorParallel.apply(x, self.group, self.stats), self.weight)
+        return F.linear(CopyToTensorParallel.apply(x, self.group, self.stats), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -1989,9 +1995,12 @@ class RowParallelLinear(nn.Module):
         n, r = dist.get_world_size(group), dist.get_rank(group)
         self.group, self.stats = group, stats
         self.weight = nn.Parameter(linear.weight.detach().chunk(n, dim=1)[r].clone())
+        # The bias whole on every rank, added once, after the sum: inside it, it would count n times.
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ReduceFromTensorParallel.apply(F.linear(x, self.weight), self.group, self.stats)
+        y = ReduceFromTensorParallel.apply(F.linear(x, self.weight), self.group, self.stats)
+        return y if self.bias is None else y + self.bias
 
 
 def rank_order(weight: torch.Tensor, parts: int, n: int) -> torch.Tensor:
@@ -5129,6 +5138,7 @@ class SideWork:
         if self.fault in ("kill", "raise", "hang"):
             crash_on_purpose(self.fault, self.d, step)
         self.stats.local_grads = {} if self.cfg.inspect and step <= INSPECT_STEPS else None
+        self.stats.counting = True  # until end_step: a step's collectives, not evaluation's
         return started
 
     def mark(self, phase: str) -> None:
