@@ -765,7 +765,7 @@ class CommStats:
         self.model = model
         self.compress = compress  # --grad-compression bf16: send bf16, half the bytes
         self.moved: dict[str, list[int]] = {}  # kind -> [calls, bytes], this rank's, over the attempt's steps
-        self.counting = False  # in a training step (from SideWork.begin_step to end_step)
+        self.counting = False  # in a training step (from SideWork.begin_step to after_update)
         self.steps = 0
         self.calls = 0
         self.bytes = 0
@@ -807,7 +807,7 @@ class CommStats:
     def end_step(self) -> tuple[int, int]:
         """Close the optimizer step: return (all-reduce calls, bytes) and note the bucket layout."""
         calls, nbytes = self.calls, self.bytes
-        self.calls, self.bytes, self.steps, self.counting = 0, 0, self.steps + 1, False
+        self.calls, self.bytes, self.steps = 0, 0, self.steps + 1
         if self.step_layout:
             layout = [self.step_layout[i] for i in sorted(self.step_layout)]
             self.layout_changed = bool(self.layout) and layout != self.layout
@@ -1138,7 +1138,7 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> float:
     return lr
 
 
-def make_optimizer(cfg: RunConfig, d: Dist, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+def make_optimizer(cfg: RunConfig, d: Dist, params: list[nn.Parameter], stats: CommStats) -> torch.optim.Optimizer:
     if cfg.optimizer == "sgd":
         # Plain SGD moves weights by exactly lr x gradient: a gradient off by a factor shows at
         # once, which is why the equivalence tests use it. (Adam divides the factor back out.)
@@ -1150,7 +1150,7 @@ def make_optimizer(cfg: RunConfig, d: Dist, params: list[nn.Parameter]) -> torch
         options |= {"fused": True} if d.tp == 1 else {"fused": False, "foreach": False}
     if cfg.sharding == "optimizer" and d.distributed:
         if cfg.ddp == "manual":
-            return ShardedOptimizer(params, kind, **options)
+            return ShardedOptimizer(params, kind, stats=stats, **options)
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(params, optimizer_class=kind, **options)
@@ -1201,7 +1201,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
     model = wrap_model(kit, cfg, d, stats, split)
     named_params = trainable_parameters(kit.model)  # again: torch's fully_shard replaces every parameter
     params = [p for _, p in named_params]
-    optimizer = make_optimizer(cfg, d, params)
+    optimizer = make_optimizer(cfg, d, params, stats)
     precision = choose_precision(cfg, d)
     # fp16 needs loss scaling: small gradients would underflow to zero. bf16 has fp32's range.
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
@@ -1319,9 +1319,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     3. Each parameter is broadcast from its owner: every rank again holds the same weights.
     """
 
-    def __init__(self, params: Iterator[nn.Parameter], optimizer_class: type, **defaults: object) -> None:
+    def __init__(
+        self, params: Iterator[nn.Parameter], optimizer_class: type, stats: CommStats | None = None, **defaults: object
+    ) -> None:
         super().__init__(params, defaults)
-        self.rank, world = dist.get_rank(), dist.get_world_size()
+        self.rank, world, self.stats = dist.get_rank(), dist.get_world_size(), stats  # stats: the run's count
         trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         load = [0] * world
         self.owner: dict[nn.Parameter, int] = {}
@@ -1345,6 +1347,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.optim.step()
         for work in [dist.broadcast(p.data, src=owner, async_op=True) for p, owner in self.owner.items()]:
             work.wait()
+        for p in self.owner if self.stats is not None else ():
+            self.stats.count("broadcast of updated weights", p.nbytes)
         return loss
 
     def state_dict(self, to: int | None = None, group: dist.ProcessGroup | None = None) -> dict:
@@ -5138,7 +5142,7 @@ class SideWork:
         if self.fault in ("kill", "raise", "hang"):
             crash_on_purpose(self.fault, self.d, step)
         self.stats.local_grads = {} if self.cfg.inspect and step <= INSPECT_STEPS else None
-        self.stats.counting = True  # until end_step: a step's collectives, not evaluation's
+        self.stats.counting = True  # until after_update: a step's collectives, not evaluation's
         return started
 
     def mark(self, phase: str) -> None:
@@ -5179,6 +5183,7 @@ class SideWork:
 
     def after_update(self, step: int, model: Replicas, named_params: list, optimizer: torch.optim.Optimizer) -> None:
         self.mark("optimizer")
+        self.stats.counting = False
         if self.verifying(step):
             state = model.replicated(named_params, optimizer)
             verify_replicas_agree(self.d, step, "after the optimizer step", state)
