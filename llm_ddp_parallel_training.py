@@ -4720,10 +4720,12 @@ def report_inspect_step(cfg: RunConfig, d: Dist, step: int, stats: CommStats, se
     if not share:  # a tensor slice that is not its group's first, or a pipeline stage before the last
         local = f"step {step}: its replica's {local_tokens} tokens pass through here; another rank counts their loss"
     print_in_rank_order(d, [local, *([f"step {step}: {describe_local_gradient(stats, named_params)}"] * bucketed)])
+    moved = f"all-reduced {sent[0]} bucket(s), {sent[1] / 2**20:.3f} MiB"
+    if not sent[0] and d.tp * d.pp > 1:  # one replica: no gradient to average, only the split's own traffic
+        moved = "all-reduced no gradient bucket, its split's collectives being in the summary's 'sent per step'"
     log(d, f"[inspect] step {step}: global-token mean loss {loss_total / global_tokens:.4f} over "
            f"{int(global_tokens)} tokens; mean of per-rank means {means_total / d.dp:.4f}; this step "
-           f"all-reduced {sent[0]} bucket(s), {sent[1] / 2**20:.3f} MiB ({cfg.loss_normalization} normalization "
-           "is training)")  # fmt: skip
+           f"{moved} ({cfg.loss_normalization} normalization is training)")  # fmt: skip
     if stats.layout_changed:
         log_buckets(d, stats, "[inspect] DDP rebuilt its buckets after step 1 (in the order gradients arrived):")
         stats.layout_changed = False
@@ -4884,15 +4886,15 @@ def hidden_shares(ranks: list[list[Span]]) -> str:
 
 
 def bubble_shares(ranks: list[list[Span]]) -> str:
-    """Each pipeline stage's idle share of its traced steps: the time it waited for a neighbour."""
+    """Each pipeline stage's idle share, the time it waited for a neighbour, over its traced steps
+    after the first (whose start-up skew is not the pipeline's), or over the one step traced."""
 
-    def seconds(spans: list[Span], named: Callable[[str], bool]) -> float:
-        return sum(b - a for n, a, b, _ in spans if named(n))
+    def share(spans: list[Span]) -> float:
+        starts = sorted(a for n, a, _, _ in spans if n.startswith("step "))
+        later = [(n, b - a) for n, a, b, _ in spans if a >= starts[min(1, len(starts) - 1)]]
+        return sum(t for n, t in later if n == "bubble") / sum(t for n, t in later if n.startswith("step "))
 
-    idle = [
-        seconds(spans, lambda n: n == "bubble") / seconds(spans, lambda n: n.startswith("step ")) for spans in ranks
-    ]
-    return ", ".join(f"rank {r} {100 * share:.0f}%" for r, share in enumerate(idle))
+    return ", ".join(f"rank {r} {100 * share(spans):.0f}%" for r, spans in enumerate(ranks))
 
 
 def describe_overlap(ranks: list[list[Span]]) -> str:
@@ -4915,7 +4917,11 @@ def describe_trace(cfg: RunConfig, ranks: list[list[Span]]) -> tuple[str, str]:
     if cfg.pp > 1:
         s, m = cfg.pp, cfg.grad_accum_steps
         ideal = f"{100 * (s - 1) / (m + s - 1):.0f}% for {s} stages and {m} micro-batches"
-        return "pipeline bubble", f"idle, waiting for a neighbour: {bubble_shares(ranks)} (ideal {ideal})"
+        # The last stage waits out the drain in the step's closing all-reduces (sync), not in a receive.
+        return (
+            "pipeline bubble",
+            f"idle, waiting for a neighbour: {bubble_shares(ranks)} (ideal {ideal}, for the first)",
+        )
     if cfg.tp > 1:
         return "tensor parallel", "its all-reduces sit inside forward and backward, which wait for them"
     sharded = any(name == "all-gather" for name, *_ in ranks[0])
@@ -5653,8 +5659,9 @@ def mib(nbytes: float) -> str:
 def describe_traffic(cfg: RunConfig, traffic: dict[str, tuple[float, float]]) -> str:
     """What rank 0's collectives moved per optimizer step, by kind (calls, MiB)."""
     shown = "; ".join(f"{kind} {calls:g} call(s), {mib(nbytes)} MiB" for kind, (calls, nbytes) in traffic.items())
-    unseen = [what for what, on in (("fully_shard", cfg.sharding == "full"), ("tensor parallelism", cfg.tp > 1),
-                                    ("pipelining", cfg.pp > 1)) if on and cfg.ddp == "torch"]  # fmt: skip
+    unseen = [what for what, on in (("fully_shard", cfg.sharding == "full"), ("ZeroRedundancyOptimizer",
+              cfg.sharding == "optimizer"), ("tensor parallelism", cfg.tp > 1), ("pipelining", cfg.pp > 1))
+              if on and cfg.ddp == "torch"]  # fmt: skip
     unseen_note = f" (and torch's {' and '.join(unseen)}, whose collectives it does not see)" if unseen else ""
     return f"rank 0: {shown or 'nothing'}{unseen_note}"
 
