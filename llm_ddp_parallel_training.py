@@ -4722,7 +4722,7 @@ def report_inspect_step(cfg: RunConfig, d: Dist, step: int, stats: CommStats, se
     print_in_rank_order(d, [local, *([f"step {step}: {describe_local_gradient(stats, named_params)}"] * bucketed)])
     moved = f"all-reduced {sent[0]} bucket(s), {sent[1] / 2**20:.3f} MiB"
     if not sent[0] and d.tp * d.pp > 1:  # one replica: no gradient to average, only the split's own traffic
-        moved = "all-reduced no gradient bucket, its split's collectives being in the summary's 'sent per step'"
+        moved = "all-reduced no gradient bucket, its split's own being in the summary's 'collectives'"
     log(d, f"[inspect] step {step}: global-token mean loss {loss_total / global_tokens:.4f} over "
            f"{int(global_tokens)} tokens; mean of per-rank means {means_total / d.dp:.4f}; this step "
            f"{moved} ({cfg.loss_normalization} normalization is training)")  # fmt: skip
@@ -5663,7 +5663,7 @@ def describe_traffic(cfg: RunConfig, traffic: dict[str, tuple[float, float]]) ->
               cfg.sharding == "optimizer"), ("tensor parallelism", cfg.tp > 1), ("pipelining", cfg.pp > 1))
               if on and cfg.ddp == "torch"]  # fmt: skip
     unseen_note = f" (and torch's {' and '.join(unseen)}, whose collectives it does not see)" if unseen else ""
-    return f"rank 0: {shown or 'nothing'}{unseen_note}"
+    return f"rank 0, per step: {shown or 'nothing'}{unseen_note}"
 
 
 def print_summary(cfg: RunConfig, d: Dist, result: TrainResult, wall_seconds: float, outputs: list[Path]) -> None:
@@ -5685,7 +5685,7 @@ def print_summary(cfg: RunConfig, d: Dist, result: TrainResult, wall_seconds: fl
         ("train loss", train_loss),
         ("val loss", f"{last_val['val_loss']:.4f} at step {last_val['step']}" if last_val else "- (no held-out lines)"),
         ("peak memory", peaks),
-        ("sent per step", describe_traffic(cfg, result.traffic)),
+        ("collectives", describe_traffic(cfg, result.traffic)),
         *([describe_trace(cfg, result.trace)] if result.trace else []),
         ("outputs", ", ".join(str(p) for p in outputs)),
     ]

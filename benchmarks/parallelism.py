@@ -131,7 +131,7 @@ def command(run: Run, folder: Path, smoke: bool) -> list[str]:
 
 
 def summary_row(stdout: str, row: str) -> str | None:
-    """A row of the script's [summary], e.g. "sent per step", without its name."""
+    """A row of the script's [summary], e.g. "collectives", without its name."""
     return next((line.split(row, 1)[1].strip() for line in stdout.splitlines() if line.startswith(f"  {row} ")), None)
 
 
@@ -184,7 +184,7 @@ def measure_run(run: Run, out: Path, smoke: bool, round_number: int) -> dict:
         "command": cmd,
         "step_ms": 1000 * statistics.median(seconds[warmup:]),
         "steps_ms": [1000 * s for s in seconds],
-        "sent_per_step": summary_row(done.stdout, "sent per step"),
+        "sent_per_step": summary_row(done.stdout, "collectives"),
         "bubble_row": summary_row(done.stdout, "pipeline bubble"),
         "load_before": load,
         "wall_s": time.perf_counter() - start,
@@ -246,7 +246,7 @@ def summarise(results: list[dict], smoke: bool) -> dict[str, dict]:
 
 def steps_table(summary: dict[str, dict]) -> list[str]:
     lines = ["| layout | --ddp | step ms (median of rounds) | vs DDP, median of round ratios | per round | "
-             "sent per step (rank 0, the script's summary) |", "|---|---|--:|--:|---|---|"]  # fmt: skip
+             "collectives per step (rank 0, the script's summary) |", "|---|---|--:|--:|---|---|"]  # fmt: skip
     for name, s in summary.items():
         layout, ddp = name.rsplit("-", 1)
         flags = " ".join(LAYOUTS[layout])

@@ -477,7 +477,7 @@ def test_the_memory_table_says_which_blocks_each_pp_stage_holds(two_ranks):
 
 
 def sent_per_step(run: Run) -> str:
-    return re.search(r"^  sent per step\s+(.*)$", run.stdout, re.M).group(1)
+    return re.search(r"^  collectives\s+(.*)$", run.stdout, re.M).group(1)
 
 
 def test_the_summary_counts_one_steps_tensor_parallel_all_reduces_with_their_bytes(two_ranks):
@@ -487,13 +487,13 @@ def test_the_summary_counts_one_steps_tensor_parallel_all_reduces_with_their_byt
     # 2 in backward (the inputs of qkv and the MLP's first Linear), each of (2, 64, 32) fp32 = 16 KiB.
     # 2 blocks x 2 micro-batches x 4 = 16 a training step, 0.25 MiB.
     row = sent_per_step(shown(two_ranks, "show tp"))
-    assert row == "rank 0: tensor-parallel all-reduce 16 call(s), 0.25 MiB", row
+    assert row == "rank 0, per step: tensor-parallel all-reduce 16 call(s), 0.25 MiB", row
 
 
 def test_the_summary_counts_one_steps_pipeline_sends_with_their_bytes(two_ranks):
     # Stage 0 (rank 0) sends each micro-batch's activations on: 2 of (2, 64, 32) fp32 = 32 KiB.
     row = sent_per_step(shown(two_ranks, "show pp"))
-    assert row == "rank 0: pipeline send 2 call(s), 0.03 MiB", row
+    assert row == "rank 0, per step: pipeline send 2 call(s), 0.03 MiB", row
 
 
 def trace(out: Path) -> list[dict]:
