@@ -1,7 +1,7 @@
 """Train a causal language model across processes with PyTorch DistributedDataParallel.
 
-One file, two reading depths. Sections 1-7 are the teaching core, the DDP a learner came to read,
-in the order the data flows; after a banner, sections 8-17 make it production-grade:
+One file, two reading depths. Sections 1-8 are the teaching core, the DDP a learner came to read,
+in the order the data flows; after a banner, sections 9-18 make it production-grade:
 
     1. Settings             everything a run is told, in one frozen RunConfig
     2. Ranks                torchrun's environment says who this process is; then the process group
@@ -14,23 +14,24 @@ in the order the data flows; after a banner, sections 8-17 make it production-gr
     6. Train                one loop for every model: forward, backward, sync, clip, step
     7. Sharding             ZeRO-1 and FSDP from scratch, beside torch's ZeroRedundancyOptimizer
                             and fully_shard
+    8. Model splitting      tensor and pipeline parallelism from scratch, beside torch's
     -------------------     a reader who came for DDP may stop here
-    8. Command line         argparse fills the RunConfig, and refuses what cannot run
-    9. Launcher             ranks started without torchrun (--nproc), and meetings with no deadline
-   10. Records              .jsonl schemas, chat templates and assistant-only targets, packing,
+    9. Command line         argparse fills the RunConfig, and refuses what cannot run
+   10. Launcher             ranks started without torchrun (--nproc), and meetings with no deadline
+   11. Records              .jsonl schemas, chat templates and assistant-only targets, packing,
                             the token cache
-   11. Pretrained models    Qwen2.5, Llama, Gemma, Mistral, Phi-3, ... with LoRA; the tiny model's
+   12. Pretrained models    Qwen2.5, Llama, Gemma, Mistral, Phi-3, ... with LoRA; the tiny model's
                             size check
-   12. Reports and checks   how gradients travel, the whole state from shards, --inspect,
+   13. Reports and checks   how gradients travel, the whole state from shards, --inspect,
                             --verify-sync
-   13. Timeline             every rank's first --trace-steps steps on one clock, as a trace file
+   14. Timeline             every rank's first --trace-steps steps on one clock, as a trace file
                             and a picture
-   14. Step side work       warmup, precision, faults on purpose, the step's side work, stop requests
-   15. Evaluate and report  held-out loss, progress, metrics, MFU, the loss plot, the memory table,
+   15. Step side work       warmup, precision, faults on purpose, the step's side work, stop requests
+   16. Evaluate and report  held-out loss, progress, metrics, MFU, the loss plot, the memory table,
                             summary
-   16. Save                 rank 0 writes while the others wait for it; locks, checkpoints and
+   17. Save                 rank 0 writes while the others wait for it; locks, checkpoints and
                             resume, stop markers
-   17. Main                 launch -> connect -> shard -> train -> sync -> save -> sample, and one
+   18. Main                 launch -> connect -> shard -> train -> sync -> save -> sample, and one
                             clear exit on every path
 
 Run it as one plain process, under torchrun on one or many machines, or let it start its own ranks:
@@ -205,7 +206,7 @@ PRETRAINED_GROUP = "pretrained model (--model hf)"
 @dataclass(frozen=True)
 class RunConfig:
     """Every setting of one run, fixed for its whole life and the same on every rank. Each field is
-    a flag (--seq-len for seq_len); parse_args (section 8) fills them from the command line. A
+    a flag (--seq-len for seq_len); parse_args (section 9) fills them from the command line. A
     default of None is decided once the rest is known, as its help says."""
 
     model: str = flag("tiny", "tiny: a byte-level Transformer from scratch; hf: a pretrained causal LM from the "
@@ -303,6 +304,15 @@ class RunConfig:
                                           "(default), raise, nan, desync, save or hang", type=FaultPlan.parse,
                                           metavar="RANK:STEP[:KIND]")  # fmt: skip
 
+    tp: int = flag(1, "tensor parallelism: every block's matrices split across groups of N ranks (Megatron's "
+                   "layout); the data-parallel degree is the world size / (tp x pp)", "model splitting",
+                   type=POSITIVE, metavar="N")  # fmt: skip
+    pp: int = flag(1, "pipeline parallelism: the model cut into N stages of whole blocks, the micro-batches of "
+                   "--grad-accum-steps flowing through them", type=POSITIVE, metavar="N")  # fmt: skip
+    pp_schedule: str = flag("1f1b", "gpipe: every micro-batch forward, then every backward; 1f1b: one forward, one "
+                            "backward, as soon as they can (less activation memory)",
+                            choices=["gpipe", "1f1b"])  # fmt: skip
+
     save_every: int = flag(0, "full training state every N steps and at the end (0: off)", "checkpoints and resume",
                            type=COUNT, metavar="N")  # fmt: skip
     keep_last: int = flag(2, "how many checkpoints to keep", type=POSITIVE, metavar="K")
@@ -340,7 +350,12 @@ class Dist:
     why: str  # the reason for the backend/device choice, printed at start
     control: dist.ProcessGroup | None = None  # Gloo group for host numbers under NCCL (None: the default group)
     store: dist.Store | None = None  # the rendezvous key-value store the ranks met in
-    launch: str | None = None  # this torchrun launch, the same in all its restarts (launch_token, section 9)
+    launch: str | None = None  # this torchrun launch, the same in all its restarts (launch_token, section 10)
+    # Model splitting (section 8) lays the ranks out as a grid: dp replicas x pp stages x tp slices,
+    # rank = (dp_rank x pp + pp_rank) x tp + tp_rank, so a tensor-parallel group is neighbouring ranks.
+    tp: int = 1
+    pp: int = 1
+    mesh: object | None = None  # the grid as torch's DeviceMesh, whose groups both splits use; None: no split
 
     @classmethod
     def from_process_group(cls) -> Dist:
@@ -367,6 +382,27 @@ class Dist:
     @property
     def distributed(self) -> bool:
         return self.backend is not None
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas: ranks holding (and splitting) the same model see different data."""
+        return self.world_size // (self.tp * self.pp)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // (self.tp * self.pp)
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.tp % self.pp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    def group(self, dim: str) -> dist.ProcessGroup | None:
+        """The ranks that share this rank's place along one dimension of the grid ("dp", "pp", "tp")."""
+        return self.mesh.get_group(dim) if self.mesh is not None else None
 
 
 def launched_by_torchrun() -> bool:
@@ -405,7 +441,7 @@ def setup_distributed(cfg: RunConfig) -> Dist:
         use_cuda = torch.cuda.is_available() and not cfg.cpu
         device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
         return Dist(0, 0, 1, 1, device, None, "not launched by torchrun: one process, no process group")
-    rank, world, local_rank, local_world = rank_facts_from_env()  # checked (section 9)
+    rank, world, local_rank, local_world = rank_facts_from_env()  # checked (section 10)
     backend, device, why = choose_backend_and_device(cfg, local_rank, local_world)
     if "TORCHELASTIC_RUN_ID" not in os.environ and local_rank == 0:  # a hand-made launch: say what it waits for
         where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
@@ -416,7 +452,7 @@ def setup_distributed(cfg: RunConfig) -> Dist:
     # instead of hanging it.
     timeout = timedelta(seconds=cfg.timeout_s)
     try:
-        # torchrun's agent already hosts a key-value store the ranks can meet in (section 9); without
+        # torchrun's agent already hosts a key-value store the ranks can meet in (section 10); without
         # one (None), init_process_group builds its own from MASTER_ADDR and MASTER_PORT.
         agent_store, launch = rendezvous_store(timeout)
         dist.init_process_group(
@@ -436,7 +472,20 @@ def setup_distributed(cfg: RunConfig) -> Dist:
     control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
     # Without torchrun's agent store, torch built one from MASTER_ADDR/PORT: take that one.
     store = agent_store or dist.distributed_c10d._get_default_store()
-    return Dist(rank, local_rank, world, local_world, device, backend, why, control, store, launch)
+    return laid_out(Dist(rank, local_rank, world, local_world, device, backend, why, control, store, launch), cfg)
+
+
+def laid_out(d: Dist, cfg: RunConfig) -> Dist:
+    """The ranks as a grid of dp replicas x pp stages x tp slices (section 8), when the model is split."""
+    if cfg.tp * cfg.pp == 1 or not d.distributed:
+        return d
+    if d.world_size % (cfg.tp * cfg.pp):
+        raise UsageError(f"--tp {cfg.tp} x --pp {cfg.pp} does not divide the {d.world_size} ranks into replicas")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (d.world_size // (cfg.tp * cfg.pp), cfg.pp, cfg.tp)
+    mesh = init_device_mesh(d.device.type, shape, mesh_dim_names=("dp", "pp", "tp"))
+    return replace(d, tp=cfg.tp, pp=cfg.pp, mesh=mesh)
 
 
 def teardown_distributed() -> None:
@@ -466,27 +515,6 @@ def all_reduce_sum(d: Dist, values: list[float]) -> list[float]:
 # ----------------------------------------------------------------------------------------------
 
 
-class Rows(Dataset):
-    """Training examples made one row at a time, when a batch asks for it, from flat arrays of
-    tokens (read from the token cache, section 10, as batches ask): nothing is ever held padded to
-    seq_len, so memory does not grow with seq_len x examples. Row i is (inputs, targets[,
-    positions]), each of seq_len tokens; trim_padding then cuts the batch to its longest row. The
-    byte model's rows are ShiftingWindows and ByteWindows, a pretrained model's TokenRows (section 10)."""
-
-    def set_epoch(self, epoch: int) -> None:
-        """Fixed rows: only the sampler's order changes between epochs."""
-
-    @functools.cached_property
-    def whole(self) -> Examples:
-        """Every row at once, padded: for looking at a few rows, never for a real data set."""
-        columns = [torch.stack(c) for c in zip(*(self[i] for i in range(len(self))), strict=True)]
-        return Examples(columns[0], columns[1], self.target_bytes, columns[2] if len(columns) > 2 else None)
-
-    inputs = property(lambda self: self.whole.inputs)
-    targets = property(lambda self: self.whole.targets)
-    positions = property(lambda self: self.whole.positions)
-
-
 def held_out(n: int, val_fraction: float, seed: int) -> np.ndarray:
     """Hold out a fraction of the n lines (or records) for validation: the same ones on every rank.
     Returns which are held out (bool, one per line); the rest train.
@@ -508,14 +536,6 @@ def held_out(n: int, val_fraction: float, seed: int) -> np.ndarray:
     return chosen
 
 
-def split_lines(lines: list, val_fraction: float, seed: int) -> tuple[list, list]:
-    """held_out, for a list of lines or records: (training, held out)."""
-    val = held_out(len(lines), val_fraction, seed)
-    return [line for line, v in zip(lines, val, strict=True) if not v], [
-        line for line, v in zip(lines, val, strict=True) if v
-    ]
-
-
 def trim_padding(batch: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
     """Stack a batch (inputs, targets[, positions]), then cut the columns after its last target:
     a batch is padded only as far as its longest example needs. Padding sits on the right, and
@@ -525,15 +545,6 @@ def trim_padding(batch: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, .
     used = (columns[1] != IGNORE_INDEX).any(dim=0).nonzero()
     width = int(used.max()) + 1 if len(used) else columns[1].shape[1]
     return tuple(c[:, :width].contiguous() for c in columns)
-
-
-def collate_for(cfg: RunConfig) -> Callable[[list], tuple[torch.Tensor, ...]]:
-    """How a micro-batch is stacked. Under sdpa and eager, packed rows stay rows: transformers builds
-    each row a block-diagonal causal mask from its position_ids, and one long row would make that
-    mask (and attention's work) grow with the square of the whole micro-batch. (flash_attention_2
-    needs one row per micro-batch: flatten_rows, section 10.)"""
-    flash = cfg.model == "hf" and cfg.pack and cfg.attn_implementation.startswith("flash_attention")
-    return flatten_rows if flash else trim_padding
 
 
 class LeanDistributedSampler(DistributedSampler):
@@ -552,13 +563,14 @@ def make_train_loader(dataset: Dataset, cfg: RunConfig, d: Dist) -> tuple[DataLo
     # world_size-th index starting at its rank: disjoint shards that together cover the data.
     # drop_last trims the permutation to a multiple of world_size instead of padding it with
     # repeats, so no example is trained twice in an epoch.
-    sampler = LeanDistributedSampler(
-        dataset, num_replicas=d.world_size, rank=d.rank, shuffle=True, seed=cfg.seed, drop_last=True
-    )
+    # (Under model splitting the ranks of one replica, its tensor slices and pipeline stages, all read
+    # the replica's shard: the data is split across replicas, not across ranks.)
+    sampler = LeanDistributedSampler(dataset, num_replicas=d.dp, rank=d.dp_rank, shuffle=True, seed=cfg.seed,
+                                     drop_last=True)  # fmt: skip
     per_step = cfg.batch_size * cfg.grad_accum_steps
     if len(sampler) < per_step:
         raise UsageError(
-            f"corpus too small: {len(dataset)} examples give each of {d.world_size} rank(s) "
+            f"corpus too small: {len(dataset)} examples give each of {d.dp} data-parallel rank(s) "
             f"{len(sampler)} per epoch, fewer than one step's {per_step} (--batch-size x --grad-accum-steps); "
             "use a larger corpus, smaller batches or fewer ranks"
         )
@@ -617,17 +629,18 @@ class TinyConfig:
 class CausalSelfAttention(nn.Module):
     def __init__(self, c: TinyConfig) -> None:
         super().__init__()
-        self.n_heads, self.dropout = c.n_heads, c.dropout
+        self.head_dim, self.dropout = c.d_model // c.n_heads, c.dropout
         self.qkv = nn.Linear(c.d_model, 3 * c.d_model, bias=False)
         self.proj = nn.Linear(c.d_model, c.d_model, bias=False)
+        self.own_dropout = contextlib.nullcontext  # tensor parallelism (section 8): its own heads, its own mask
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
-        # is_causal masks every position j > i: a token never sees the bytes it must predict.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+        b, t, _ = x.shape
+        # As many heads as qkv gives: all of them, or under tensor parallelism this rank's share.
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in self.qkv(x).chunk(3, dim=2))
+        with self.own_dropout():  # is_causal masks every j > i: a token never sees the bytes it must predict
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class Block(nn.Module):
@@ -662,39 +675,14 @@ class TinyTransformer(nn.Module):
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        t = ids.shape[1]
-        pos = torch.arange(t, device=ids.device)
-        x = self.drop(self.tok_emb(ids) + self.pos_emb(pos))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # A pipeline stage (section 8) is this model with the other stages' parts taken out: only the
+        # first embeds token ids, only the last ends in the head; the others pass hidden states on.
+        if self.tok_emb is not None:
+            x = self.drop(self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device)))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
-
-
-def load_tiny_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> TinyTransformer:
-    """Rebuild the trained tiny model from its checkpoint file alone."""
-    ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    model = TinyTransformer(TinyConfig(**ckpt["config"]))
-    model.load_state_dict(ckpt["model"])
-    return model.eval()
-
-
-@torch.no_grad()
-def generate_bytes(model: TinyTransformer, prompt: str, max_new: int, seed: int) -> str:
-    """Sample a continuation of the prompt until the end of the line (the model's own "\\n")."""
-    device = next(model.parameters()).device
-    ids = torch.tensor([[NEWLINE, *prompt.encode("utf-8")]], device=device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    out = bytearray()
-    for _ in range(max_new):
-        logits = model(ids[:, -model.config.seq_len :])[0, -1].float()
-        probs = torch.softmax(logits / 0.8, dim=-1)  # temperature 0.8: a little sharper than raw
-        nxt = torch.multinomial(probs, 1, generator=gen)
-        if nxt.item() == NEWLINE:
-            break
-        out.append(int(nxt.item()))
-        ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
-    return prompt + out.decode("utf-8", errors="replace")
+        return self.head(self.ln_f(x)) if self.head is not None else x
 
 
 @dataclass
@@ -714,25 +702,21 @@ class ModelKit:
     flops_per_token: float  # training FLOPs per token, for MFU
     describe: str
     data_report: str = ""  # what became of the records on the way to examples
-    loss_module: nn.Module | None = None  # what DDP wraps and `loss` runs, if not the model (LeanHeadLoss, section 11)
+    loss_module: nn.Module | None = None  # what DDP wraps and `loss` runs, if not the model (LeanHeadLoss, section 12)
     blocks: list[nn.Module] = field(default_factory=list)  # the Transformer blocks: FSDP's units
     reload: Callable[[Path], nn.Module] | None = None  # save_final's output read back, as a plain model
+    split: object | None = None  # a model that arrives split, as transformers' tp_plan loads it (section 12)
 
     @property
     def trained(self) -> nn.Module:
         return self.loss_module or self.model
 
 
-def tiny_parameter_count(c: TinyConfig) -> int:
-    """Embeddings and head, plus per block: qkv 3d², proj d², MLP 8d², two norms."""
-    return (2 * c.vocab_size + c.seq_len) * c.d_model + c.n_layers * (12 * c.d_model**2 + 2 * c.d_model) + c.d_model
-
-
 def build_tiny_kit(cfg: RunConfig, d: Dist, lines: Lines, val_lines: Lines) -> ModelKit:
     config = TinyConfig(
         seq_len=cfg.seq_len, d_model=cfg.d_model, n_heads=cfg.n_heads, n_layers=cfg.n_layers, dropout=cfg.dropout
     )
-    check_model_fits(tiny_parameter_count(config), d)  # a clear refusal, not an allocation error (section 11)
+    check_model_fits(tiny_parameter_count(config), d)  # a clear refusal, not an allocation error (section 12)
     # Same seed on every rank: the replicas start identical. (DDP would also broadcast rank
     # 0's weights when it wraps the model, but equal seeds make single-process runs match.)
     torch.manual_seed(cfg.seed)
@@ -773,12 +757,16 @@ class CommStats:
 
     Both wrappers report every bucket they launch here: torch's DDP through a comm hook, the
     manual one directly. Counting per optimizer step shows that accumulation's k-1 silent
-    micro-steps send nothing.
+    micro-steps send nothing. The from-scratch FSDP, tensor and pipeline parallelism (sections 7
+    and 8) report their collectives here too, by kind, for the summary and the timeline.
     """
 
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], compress: bool) -> None:
-        self.name_of = {id(p): name for name, p in named_params}
+    def __init__(self, model: nn.Module, compress: bool) -> None:
+        self.model = model
         self.compress = compress  # --grad-compression bf16: send bf16, half the bytes
+        self.moved: dict[str, list[int]] = {}  # kind -> [calls, bytes], this rank's, over the attempt's steps
+        self.counting = False  # in a training step (from SideWork.begin_step to after_update)
+        self.steps = 0
         self.calls = 0
         self.bytes = 0
         self.step_layout: dict[int, tuple[int, list[str]]] = {}
@@ -787,25 +775,39 @@ class CommStats:
         self.local_grads: dict[str, torch.Tensor] | None = None  # set to {} to capture one step
         self.timeline: Timeline | None = None  # --trace-steps: each bucket's all-reduce becomes a span
 
+    @functools.cached_property
+    def name_of(self) -> dict[int, str]:  # at the first bucket: after tensor parallelism made its parameters
+        return {id(p): name for name, p in self.model.named_parameters()}
+
+    def count(self, kind: str, nbytes: int) -> None:
+        if not self.counting:
+            return
+        moved = self.moved.setdefault(kind, [0, 0])
+        moved[0], moved[1] = moved[0] + 1, moved[1] + nbytes
+
     def record(self, index: int, nbytes: int, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         self.calls += 1
         self.bytes += nbytes
+        self.count("all-reduce of gradient buckets", nbytes)
         self.step_layout[index] = (nbytes, [self.name_of[id(p)] for p in params])
         if self.local_grads is not None:  # the gradient this rank computed, before averaging
             for p, g in zip(params, grads, strict=True):
                 self.local_grads[self.name_of[id(p)]] = g.detach().clone()
 
-    def traced(self, future: torch.futures.Future, index: int, nbytes: int, dtype: torch.dtype) -> torch.futures.Future:
+    def traced(self, future: torch.futures.Future, name: str, args: dict) -> torch.futures.Future:
+        """The collective's future, a span of the timeline's (--trace-steps) from now until it arrives."""
         if self.timeline is None or not self.timeline.on:
             return future
-        return self.timeline.collective(
-            "all-reduce", future, {"bucket": index, "bytes": nbytes, "dtype": str(dtype).removeprefix("torch.")}
-        )
+        return self.timeline.collective(name, future, args)
+
+    def per_step(self) -> dict[str, tuple[float, float]]:
+        """Each kind of collective this rank started: (calls, bytes) per optimizer step."""
+        return {kind: (calls / self.steps, nbytes / self.steps) for kind, (calls, nbytes) in self.moved.items()}
 
     def end_step(self) -> tuple[int, int]:
         """Close the optimizer step: return (all-reduce calls, bytes) and note the bucket layout."""
         calls, nbytes = self.calls, self.bytes
-        self.calls = self.bytes = 0
+        self.calls, self.bytes, self.steps = 0, 0, self.steps + 1
         if self.step_layout:
             layout = [self.step_layout[i] for i in sorted(self.step_layout)]
             self.layout_changed = bool(self.layout) and layout != self.layout
@@ -816,47 +818,71 @@ class CommStats:
 class Replicas:
     """What a model wrapper answers for the rest of the script, which never asks what kind of model
     it holds: here, as every rank holding all the weights answers (one process, DDP, ZeRO-1's
-    weights). The sharded wrappers of section 7 answer otherwise; the work is in section 12."""
+    weights), or its slice of them under tensor parallelism (`split`, section 8). The sharded
+    wrappers of section 7 and the pipeline of section 8 answer otherwise; the work is in section 13."""
 
     gathers_in_forward = False  # a forward is a collective every rank must join (FSDP)
+    all_reduces_buckets = True  # gradients travel in DDP's buckets (not FSDP's, nor a split model's alone)
+    split: WholeModel  # how the model is split across the ranks of one replica (section 8)
+
+    def forward_backward(self, micro_batches: list[tuple], scales: list[float], micro: MicroStep) -> torch.Tensor:
+        """The step's micro-batches through forward and backward; returns their loss, summed. The
+        first k-1 run inside no_sync(): gradients accumulate in .grad with no communication; the
+        last one's backward all-reduces the sum, bucket by bucket, while backward still runs."""
+        loss_sum = torch.zeros((), device=micro.device)
+        for i, batch in enumerate(micro_batches):
+            with self.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
+                micro_loss = micro.forward(self, batch)
+                micro.backward(micro_loss * scales[i])
+            loss_sum += micro_loss.detach()
+        return loss_sum * self.split.loss_share  # under tensor parallelism every slice computed this loss
 
     def finish_gradient_sync(self) -> None:
         """Wait for the gradient sync: torch's DDP already did, inside backward()."""
 
+    def eval_loss(self, kit: ModelKit, batch: tuple) -> torch.Tensor:
+        """A held-out batch's loss sum, through the unwrapped model: no DDP hooks, no collective of DDP's."""
+        return kit.loss(kit.trained, *batch)
+
     def clip_gradients(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
         """The norm of the whole synchronised gradient, identical on every rank; clipped to max_norm
         when set. Identical norms clip identically: the replicas stay identical."""
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        if max_norm:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        return norm
+        return self.split.clip_gradients(params, max_norm)
 
     def rank0_state(self, d: Dist, named_params: list, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
         """The trained weights and the optimizer state, whole, on rank 0 ({} elsewhere): a collective."""
-        return {n: p.detach().cpu() for n, p in named_params} if d.is_main else {}, rank0_optimizer_state(d, optimizer)
+        weights = {n: self.split.whole(n, p) for n, p in named_params}
+        state = rank0_optimizer_state(d, optimizer, named_params, self.split.whole)
+        return (to_cpu(weights), state) if d.is_main else ({}, {})
 
     def load_state(self, named_params: list, weights: dict, optimizer: torch.optim.Optimizer, state: dict) -> None:
         """Take a whole state, from a checkpoint of any layout: each rank keeps what it holds."""
         with torch.no_grad():
             for name, p in named_params:
-                p.copy_(weights[name])
-        load_optimizer_state(optimizer, state)
+                local_part(p).copy_(self.split.part(name, weights[name]))
+        moments = {i: {k: self.split.part(named_params[i][0], v, named_params[i][1]) for k, v in s.items()}
+                   for i, s in state["state"].items()}  # fmt: skip
+        load_optimizer_state(optimizer, {**state, "state": moments})
 
     def whole_state_dict(self, d: Dist, raw: nn.Module) -> dict | None:
         """raw.state_dict() whole on rank 0, for the final save (a collective); None: rank 0 holds it."""
-        return None
+        return self.split.whole_state_dict(d, raw)
 
     def replicated(self, named_params: list, optimizer: torch.optim.Optimizer | None = None) -> list:
         """(name, tensor) that every rank must hold bit for bit (--verify-sync): the averaged gradients,
-        or, given the optimizer, the weights and its state (a ZeRO-1 rank holds its own share only)."""
+        or, given the optimizer, the weights and its state (a ZeRO-1 rank holds its own share only).
+        Under tensor parallelism only what no rank holds a slice of: the rest differs by design."""
+        alike = [(n, p) for n, p in named_params if not self.split.sliced(n)]
         if optimizer is None:
-            return [(f"grad of {n}", p.grad) for n, p in named_params if p.grad is not None]
-        state = [] if holds_a_share(optimizer) else optimizer_state_tensors(named_params, optimizer)
-        return [(n, p.detach()) for n, p in named_params] + [(name, t) for name, _, t in state]
+            return [(f"grad of {n}", p.grad) for n, p in alike if p.grad is not None]
+        state = [] if holds_a_share(optimizer) else optimizer_state_tensors(alike, optimizer)
+        return [(n, p.detach()) for n, p in alike] + [(name, t) for name, _, t in state]
 
     def ownership(self, named_params: list, optimizer: torch.optim.Optimizer) -> list[str]:
         """What this rank alone keeps (--inspect): under ZeRO-1, whose optimizer state."""
-        return describe_optimizer_share(named_params, optimizer) if holds_a_share(optimizer) else []
+        if holds_a_share(optimizer):
+            return describe_optimizer_share(named_params, optimizer)
+        return self.split.ownership(named_params)
 
     def gradient_buffers(self) -> list[torch.Tensor]:
         """Gradient memory beyond the parameters' .grad (the memory table)."""
@@ -869,14 +895,17 @@ class Replicas:
 class TorchDDP(DDP, Replicas):
     """torch's DistributedDataParallel, answering as every replicated model does."""
 
+    split: WholeModel | None = None  # set by wrap_model
+
 
 class Wrapper(Replicas, nn.Module):
     """The wrapped module and no_sync() for accumulation: the from-scratch wrappers' base, and on
     its own one plain process's, which has nothing to synchronise."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, split: WholeModel | None = None) -> None:
         super().__init__()
-        self.module = module
+        self.module, self.split = module, split or WholeModel()
+        self.all_reduces_buckets = split is None  # one process: none, counted as none; a split model alone: none
         self.require_sync = True  # False inside no_sync(): gradients accumulate, nothing travels
 
     @contextlib.contextmanager
@@ -891,16 +920,18 @@ class Wrapper(Replicas, nn.Module):
         return self.module(*args, **kwargs)
 
 
-def wrap_data_parallel(model: nn.Module, cfg: RunConfig, d: Dist, stats: CommStats) -> nn.Module:
-    if not d.distributed:
-        return Wrapper(model)  # one plain process: nothing to synchronise
+def wrap_data_parallel(model: nn.Module, cfg: RunConfig, d: Dist, stats: CommStats,
+                       split: WholeModel | None = None) -> nn.Module:  # fmt: skip
+    if not d.distributed or (split and d.dp == 1):
+        return Wrapper(model, split)  # one plain process, or one model split over every rank: nothing to average
     if cfg.ddp == "manual":
-        return ManualDDP(model, d, cfg.bucket_mb, stats)
+        return ManualDDP(model, d, cfg.bucket_mb, stats, split)
     # torch's DDP broadcasts rank 0's parameters to all ranks now, then hooks every parameter:
     # during backward, finished gradients fill buckets that are all-reduced (averaged) while the
     # rest of backward still runs, so every rank ends the step with the same gradient.
     ddp = TorchDDP(
         model,
+        process_group=d.group("dp"),  # under model splitting: the replicas of this rank's slice
         device_ids=[d.device.index] if d.device.type == "cuda" else None,
         bucket_cap_mb=cfg.bucket_mb,
         # After the first backward .grad *is* a view into its bucket: backward accumulates into
@@ -912,6 +943,7 @@ def wrap_data_parallel(model: nn.Module, cfg: RunConfig, d: Dist, stats: CommSta
         **no_buffer_sync_before_forward(),
     )
     ddp.register_comm_hook(stats, counting_allreduce_hook)
+    ddp.split = split or WholeModel()
     return ddp
 
 
@@ -936,7 +968,8 @@ def counting_allreduce_hook(stats, bucket):  # no annotations: DDP checks them, 
     else:
         future = default_hooks.allreduce_hook(None, bucket)
     wire_dtype = torch.bfloat16 if stats.compress else buffer.dtype
-    return stats.traced(future, bucket.index(), wire_bytes, wire_dtype)
+    args = {"bucket": bucket.index(), "bytes": wire_bytes, "dtype": str(wire_dtype).removeprefix("torch.")}
+    return stats.traced(future, "all-reduce", args)
 
 
 @dataclass(eq=False)
@@ -962,14 +995,17 @@ class ManualDDP(Wrapper):
        communication overlaps the rest of backward.
     4. finish_gradient_sync(): wait for every bucket, divide the sums by the world size, copy
        the averages back into .grad. Now every rank holds the same gradient.
+    Under model splitting (section 8) the replicas are the ranks of the data-parallel group.
     """
 
-    def __init__(self, module: nn.Module, d: Dist, bucket_mb: float, stats: CommStats) -> None:
-        super().__init__(module)
-        self.world_size, self.stats = d.world_size, stats
+    def __init__(self, module: nn.Module, d: Dist, bucket_mb: float, stats: CommStats,
+                 split: WholeModel | None = None) -> None:  # fmt: skip
+        super().__init__(module, split)
+        self.world_size, self.stats, self.group = d.dp, stats, d.group("dp")
+        self.all_reduces_buckets = True
         with torch.no_grad():
             for t in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(t, src=0)
+                dist.broadcast(t, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
         self.buckets: list[Bucket] = []
         self.place: dict[nn.Parameter, tuple[Bucket, int]] = {}
         cap = bucket_mb * 2**20
@@ -1011,8 +1047,9 @@ class ManualDDP(Wrapper):
             bucket.wire = bucket.flat.to(torch.bfloat16) if self.stats.compress else bucket.flat
             nbytes = bucket.wire.numel() * bucket.wire.element_size()
             self.stats.record(bucket.index, nbytes, bucket.params, local)
-            work = dist.all_reduce(bucket.wire, async_op=True)
-            bucket.arrival = self.stats.traced(work.get_future(), bucket.index, nbytes, bucket.wire.dtype)
+            work = dist.all_reduce(bucket.wire, async_op=True, group=self.group)
+            args = {"bucket": bucket.index, "bytes": nbytes, "dtype": str(bucket.wire.dtype).removeprefix("torch.")}
+            bucket.arrival = self.stats.traced(work.get_future(), "all-reduce", args)
 
     def finish_gradient_sync(self) -> None:
         for bucket in self.buckets:
@@ -1048,13 +1085,37 @@ def loss_scale(cfg: RunConfig, d: Dist, micro_tokens: int, global_tokens: float)
 
     global-tokens: world_size / global_tokens. DDP averages (divides by world_size), so the
       gradient is exactly that of sum(every token loss) / global_tokens: the mean over every
-      target token of the global batch, whatever the split across ranks and micro-steps.
+      target token of the global batch, whatever the split across ranks and micro-steps. (Under
+      model splitting DDP averages over the data-parallel replicas only: d.dp, not world_size.)
     mean-of-means: 1 / (micro_tokens * k). Each micro-batch's own mean, averaged over micro-steps
       and then over ranks: a token in a short micro-batch weighs more than one in a long one.
     """
     if cfg.loss_normalization == "global-tokens":
-        return d.world_size / global_tokens
+        return d.dp / global_tokens
     return 1.0 / (micro_tokens * cfg.grad_accum_steps)
+
+
+@dataclass
+class MicroStep:
+    """One micro-batch's forward and backward, as every layout runs them (forward_backward): under
+    autocast, the loss as the model kit computes it, backward through fp16's GradScaler when there
+    is one, each phase marked for the timers (section 15)."""
+
+    kit: ModelKit
+    precision: str
+    scaler: torch.amp.GradScaler | None
+    side: SideWork
+    device: torch.device
+
+    def forward(self, model: nn.Module, batch: tuple) -> torch.Tensor:
+        with autocast_for(self.precision, self.device):
+            loss = self.side.loss(self.kit.loss(model, *batch))  # a NaN here under --inject-fault R:S:nan
+        self.side.mark("forward")
+        return loss
+
+    def backward(self, scaled: torch.Tensor) -> None:
+        (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+        self.side.mark("backward")
 
 
 def lr_at(cfg: RunConfig, step: int) -> float:
@@ -1063,7 +1124,7 @@ def lr_at(cfg: RunConfig, step: int) -> float:
 
     A pure function of the step, identical on every rank, so it needs no saved state.
     """
-    warmup = warmup_steps(cfg)  # --warmup-steps, or a tenth of the run if it is over half of it (section 14)
+    warmup = warmup_steps(cfg)  # --warmup-steps, or a tenth of the run if it is over half of it (section 15)
     if step <= warmup:
         return cfg.lr * step / warmup
     peak = max(warmup, 1)  # the step that trains at the full rate, where the decay starts
@@ -1077,39 +1138,24 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> float:
     return lr
 
 
-def make_optimizer(cfg: RunConfig, d: Dist, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+def make_optimizer(cfg: RunConfig, d: Dist, params: list[nn.Parameter], stats: CommStats) -> torch.optim.Optimizer:
     if cfg.optimizer == "sgd":
         # Plain SGD moves weights by exactly lr x gradient: a gradient off by a factor shows at
         # once, which is why the equivalence tests use it. (Adam divides the factor back out.)
         kind, options = torch.optim.SGD, {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
-    else:  # fused: one kernel updates every tensor (on CPU 5x faster than the per-tensor loop here)
-        kind, options = torch.optim.AdamW, {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "fused": True}
+    else:  # fused: one kernel updates every tensor (on CPU 5x faster than the per-tensor loop here);
+        # not under tensor parallelism, whose torch slices are DTensors beside plain whole tensors, which
+        # one fused call cannot mix: the per-tensor loop, for both kinds, so that they stay equal.
+        kind, options = torch.optim.AdamW, {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
+        options |= {"fused": True} if d.tp == 1 else {"fused": False, "foreach": False}
     if cfg.sharding == "optimizer" and d.distributed:
         if cfg.ddp == "manual":
-            return ShardedOptimizer(params, kind, **options)
+            return ShardedOptimizer(params, kind, stats=stats, **options)
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(params, optimizer_class=kind, **options)
     # Under --sharding full the parameters are shards already: a plain optimizer keeps 1/N state.
     return kind(params, **options)
-
-
-def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
-    optimizer.load_state_dict(state)  # ShardedOptimizer and ZeroRedundancyOptimizer keep their own share
-    # torch's ZeroRedundancyOptimizer moves every 0-d state tensor (Adam's step) to the CPU as it
-    # loads (torch 2.13), and the fused and capturable kernels refuse a step that is not on its
-    # parameter's device (pytorch#124133): put it where a step() would have kept it.
-    inner = getattr(optimizer, "optim", optimizer)
-    if inner.defaults.get("fused") or inner.defaults.get("capturable"):
-        for p, s in inner.state.items():
-            if torch.is_tensor(s.get("step")):
-                s["step"] = s["step"].to(p.device, torch.float32)
-
-
-def holds_a_share(optimizer: torch.optim.Optimizer) -> bool:
-    """ZeRO-1 (ShardedOptimizer, torch's ZeroRedundancyOptimizer): each rank's inner optimizer holds
-    the state of its own parameters only."""
-    return hasattr(optimizer, "optim")
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
@@ -1141,22 +1187,25 @@ class TrainResult:
     trace: list[list[Span]]  # --trace-steps: every rank's spans (rank 0 only)
     model: nn.Module  # as trained: wrapped by DDP, or sharded
     memory: list[dict]  # every rank's training state in bytes, measured and predicted (rank 0 only)
+    traffic: dict[str, tuple[float, float]]  # this rank's collectives by kind: (calls, bytes) per step
 
 
 def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings: dict) -> TrainResult:
     """The loop: each rank's slice, one small all-reduce before backward, k-1 micro-steps in no_sync,
     backward (the bucket all-reduces), finish_gradient_sync, clip, step. Around it, at fixed points,
-    the side work of section 14 (timers, faults, checks), the reports of 15, the checkpoints of 16."""
+    the side work of section 15 (timers, faults, checks), the reports of 16, the checkpoints of 17."""
     loader, sampler = make_train_loader(kit.train, cfg, d)
-    stats = CommStats(trainable_parameters(kit.model), compress=cfg.grad_compression == "bf16")
+    stats = CommStats(kit.model, compress=cfg.grad_compression == "bf16")
+    split = split_model(kit, cfg, d, stats)  # tensor parallelism (section 8) makes new parameters: before any hook
     side = SideWork(cfg, d, kit, stats, resume["progress"]["step"] if resume else 0)  # its hooks run first
-    model = wrap_model(kit, cfg, d, stats)
+    model = wrap_model(kit, cfg, d, stats, split)
     named_params = trainable_parameters(kit.model)  # again: torch's fully_shard replaces every parameter
     params = [p for _, p in named_params]
-    optimizer = make_optimizer(cfg, d, params)
+    optimizer = make_optimizer(cfg, d, params, stats)
     precision = choose_precision(cfg, d)
     # fp16 needs loss scaling: small gradients would underflow to zero. bf16 has fp32's range.
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+    micro = MicroStep(kit, precision, scaler, side, d.device)
     progress = resume_training(resume, model, named_params, optimizer, scaler, d) if resume else Progress()
     k, steps_per_epoch = cfg.grad_accum_steps, len(loader) // cfg.grad_accum_steps
     announce_run(cfg, d, sampler, steps_per_epoch, precision, model, optimizer, named_params)
@@ -1176,7 +1225,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
         # One small all-reduce before any backward carries the facts every rank must share: the
         # global token count the loss divides by, whether any rank was asked to stop (STOP, section
         # 14), and whether rank 0's last metrics write failed.
-        asked = [sum(micro_tokens), STOP.signal is not None, reporter.failure is not None]
+        asked = [sum(micro_tokens) * model.split.loss_share, STOP.signal is not None, reporter.failure is not None]
         global_tokens, stop_votes, failed = all_reduce_sum(d, asked)
         if failed:
             reporter.share_failure()
@@ -1185,18 +1234,10 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
             break
         side.mark("sync")
         lr = set_learning_rate(optimizer, lr_at(cfg, step))
-        loss_sum = torch.zeros((), device=d.device)
-        for i, (inputs, targets, *positions) in enumerate(micro_batches):
-            # The first k-1 micro-steps run forward *and* backward inside no_sync(): gradients
-            # accumulate in .grad with no communication; the last one all-reduces the sum.
-            with model.no_sync() if i < k - 1 else contextlib.nullcontext():
-                with autocast_for(precision, d):
-                    micro_loss = side.loss(kit.loss(model, inputs, targets, *positions))
-                side.mark("forward")
-                scaled = micro_loss * loss_scale(cfg, d, micro_tokens[i], global_tokens)
-                (scaler.scale(scaled) if scaler else scaled).backward()
-                side.mark("backward")
-            loss_sum += micro_loss.detach()
+        # Forward and backward for each micro-batch (section 5: k-1 of them inside no_sync(), the
+        # last one's backward all-reducing the sum), or through a pipeline's schedule (section 8).
+        scales = [loss_scale(cfg, d, n, global_tokens) for n in micro_tokens]
+        loss_sum = model.forward_backward(micro_batches, scales, micro)
         model.finish_gradient_sync()
         sent = stats.end_step()
         # Each rank's loss covers its own shard; the sum over ranks, divided by the global
@@ -1206,7 +1247,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
             dist.all_reduce(loss_sum)  # on the device: nothing is read back yet
         if scaler:
             scaler.unscale_(optimizer)  # clip and report the true gradient, not the scaled one
-        side.gradients_synced(step, named_params, sent, local_loss_sum, micro_tokens)
+        side.gradients_synced(step, model, named_params, sent, local_loss_sum, micro_tokens)
         norm = model.clip_gradients(params, cfg.grad_clip)
         # The step's one read from the device (on a GPU, a wait for it): the guard below must
         # know before the update whether the loss and gradient are finite.
@@ -1229,7 +1270,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
             "lr": lr,
             "grad_norm": grad_norm,
             **val,
-            **sent_in_buckets(cfg, d, *sent),
+            **sent_in_buckets(model, *sent),
         }
         reporter.step_done(metrics, int(global_tokens), step_seconds, steps_per_epoch, side)
         if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.max_steps):
@@ -1240,7 +1281,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
         saver.save(model, named_params, optimizer, scaler, progress)
     reporter.close()
     trace, memory = side.finish(model, optimizer)
-    return TrainResult(progress, reporter.tokens, reporter.seconds, stopped_by, trace, model, memory)
+    return TrainResult(progress, reporter.tokens, reporter.seconds, stopped_by, trace, model, memory, stats.per_step())
 
 
 def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -1278,9 +1319,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     3. Each parameter is broadcast from its owner: every rank again holds the same weights.
     """
 
-    def __init__(self, params: Iterator[nn.Parameter], optimizer_class: type, **defaults: object) -> None:
+    def __init__(
+        self, params: Iterator[nn.Parameter], optimizer_class: type, stats: CommStats | None = None, **defaults: object
+    ) -> None:
         super().__init__(params, defaults)
-        self.rank, world = dist.get_rank(), dist.get_world_size()
+        self.rank, world, self.stats = dist.get_rank(), dist.get_world_size(), stats  # stats: the run's count
         trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         load = [0] * world
         self.owner: dict[nn.Parameter, int] = {}
@@ -1304,6 +1347,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.optim.step()
         for work in [dist.broadcast(p.data, src=owner, async_op=True) for p, owner in self.owner.items()]:
             work.wait()
+        for p in self.owner if self.stats is not None else ():
+            self.stats.count("broadcast of updated weights", p.nbytes)
         return loss
 
     def state_dict(self, to: int | None = None, group: dist.ProcessGroup | None = None) -> dict:
@@ -1356,6 +1401,12 @@ def _options(group: dict) -> dict:
     return {k: v for k, v in group.items() if k != "params"}
 
 
+def holds_a_share(optimizer: torch.optim.Optimizer) -> bool:
+    """ZeRO-1 (ShardedOptimizer, torch's ZeroRedundancyOptimizer): each rank's inner optimizer holds
+    the state of its own parameters only."""
+    return hasattr(optimizer, "optim")
+
+
 @dataclass(eq=False)
 class Unit:
     """A module whose own parameters are gathered together before it runs, and freed after."""
@@ -1394,7 +1445,7 @@ class ManualFSDP(Wrapper):
     its sum over micro-steps stay in the shards' dtype (float32).
     """
 
-    gathers_in_forward = True
+    gathers_in_forward, all_reduces_buckets = True, False
 
     def __init__(
         self,
@@ -1402,7 +1453,7 @@ class ManualFSDP(Wrapper):
         d: Dist,
         units: list[nn.Module],
         param_dtype: torch.dtype | None = None,
-        timeline: Timeline | None = None,  # --trace-steps: each all-gather and reduce-scatter becomes a span
+        stats: CommStats | None = None,  # counts each all-gather and reduce-scatter; traces them (--trace-steps)
     ) -> None:
         super().__init__(module)
         self.world, self.rank, self.param_dtype = d.world_size, d.rank, param_dtype
@@ -1422,7 +1473,7 @@ class ManualFSDP(Wrapper):
         self.forward_order: list[Unit] = []  # learned in the first step; prefetch follows it
         self.finish_order: list[Unit] = []  # units in the order their forwards end: backward runs it in reverse
         self.order_known = False
-        self.gloo, self.timeline = dist.get_backend() == "gloo", timeline
+        self.gloo, self.stats = dist.get_backend() == "gloo", stats
         self.master: dict[nn.Parameter, torch.Tensor] = {}  # a replicated weight's own, while it computes cast
         if param_dtype is not None and self.replicated:
             module.register_forward_pre_hook(self._cast_replicated)
@@ -1452,7 +1503,7 @@ class ManualFSDP(Wrapper):
             piece = self.shard[p].to(self.param_dtype or p.dtype)
             whole = torch.empty(piece.numel() * self.world, dtype=piece.dtype, device=piece.device)
             unit.gathering.append((all_gather_single(whole, piece, async_op=True), whole))
-        self._trace("all-gather", [work for work, _ in unit.gathering], unit)
+        self._trace("all-gather", [work for work, _ in unit.gathering], unit, sum(w.nbytes for _, w in unit.gathering))
 
     def _gather(self, unit: Unit) -> None:
         self._start_gather(unit)
@@ -1543,7 +1594,7 @@ class ManualFSDP(Wrapper):
             mine = torch.empty_like(shard)
             work = reduce_scatter_single(mine, padded, async_op=True)
         unit.scattering.append((p, work, mine))
-        self._trace("reduce-scatter", [work], unit)
+        self._trace("reduce-scatter", [work], unit, padded.nbytes)
         if len(unit.arrived) == len(unit.trainable):
             # This unit's gradients are all on the wire: settle the units before it. Each
             # reduce-scatter holds a whole, padded gradient until it ends; settling them as we
@@ -1558,10 +1609,11 @@ class ManualFSDP(Wrapper):
             unit.settled.append((p, summed / self.world))  # reduce-scatter summed; the contract is the average
         unit.scattering = []  # the whole, padded gradients are freed
 
-    def _trace(self, name: str, works: list[dist.Work], unit: Unit) -> None:
-        if self.timeline is not None and self.timeline.on:
+    def _trace(self, name: str, works: list[dist.Work], unit: Unit, nbytes: int) -> None:
+        if self.stats is not None:
+            self.stats.count(name, nbytes)
             arrivals = torch.futures.collect_all([work.get_future() for work in works])
-            self.timeline.collective(name, arrivals, {"unit": self.units.index(unit), "tensors": len(works)})
+            self.stats.traced(arrivals, name, {"unit": self.units.index(unit), "tensors": len(works), "bytes": nbytes})
 
     def finish_gradient_sync(self) -> None:
         self.order_known = True
@@ -1698,9 +1750,10 @@ class TorchFSDP(Wrapper):
 
     gathers_in_forward = True
 
-    def __init__(self, root: nn.Module, named: nn.Module) -> None:
-        super().__init__(root)
+    def __init__(self, root: nn.Module, named: nn.Module, split: WholeModel | None = None) -> None:
+        super().__init__(root, split)
         self.named = named  # the module whose parameter names a checkpoint uses (the root may wrap it)
+        self.all_reduces_buckets = False
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -1712,6 +1765,8 @@ class TorchFSDP(Wrapper):
             self.module.set_requires_gradient_sync(True)
 
     def clip_gradients(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        if isinstance(self.split, TensorParallel):  # slices and whole tensors on two meshes: summed by hand
+            return self.split.clip_gradients(params, max_norm, dp_sharded=self.gathers_in_forward)
         return super().clip_gradients(params, max_norm).full_tensor()  # torch summed the shards' squares
 
     def full_state(self, model: nn.Module, rank0: bool, trainable: bool = False) -> dict[str, torch.Tensor]:
@@ -1719,7 +1774,12 @@ class TorchFSDP(Wrapper):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=rank0, ignore_frozen_params=trainable)
-        return get_model_state_dict(model, options=options)
+        state = get_model_state_dict(model, options=options)
+        return {n: self.model_order(n, t) for n, t in state.items()}
+
+    def model_order(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """Under tensor parallelism torch's whole q, k, v weight is in rank order: back in the model's."""
+        return self.split.to_model_order(name, t) if isinstance(self.split, TensorParallel) else t
 
     def whole_optimizer_state(self, optimizer: torch.optim.Optimizer, names: list[str], rank0: bool) -> dict:
         """The optimizer's state whole, as a plain optimizer's state_dict() numbers its parameters."""
@@ -1727,7 +1787,11 @@ class TorchFSDP(Wrapper):
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=rank0)
         state = get_optimizer_state_dict(self.named, optimizer, options=options)
-        return renumber(state, number(names)) if state else {}  # with cpu_offload, only rank 0 gets it
+        if not state:  # with cpu_offload, only rank 0 gets it
+            return {}
+        moments = {n: {k: self.model_order(n, v) if torch.is_tensor(v) and v.dim() else v for k, v in s.items()}
+                   for n, s in state["state"].items()}  # fmt: skip
+        return renumber({**state, "state": moments}, number(names))
 
     def rank0_state(self, d: Dist, named_params: list, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
         names = [n for n, _ in named_params]
@@ -1738,6 +1802,12 @@ class TorchFSDP(Wrapper):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         by_name = renumber(state, dict(enumerate(n for n, _ in named_params)))
+        if isinstance(self.split, TensorParallel):  # torch's q, k, v slices are taken from a rank-ordered whole
+            fused = {n for n, (_, parts) in self.split.cuts.items() if parts == 3}
+            order = functools.partial(rank_order, parts=3, n=self.split.n)
+            weights = {n: order(t) if n in fused else t for n, t in weights.items()}
+            by_name["state"] = {n: {k: order(v) if n in fused and torch.is_tensor(v) and v.dim() else v
+                                    for k, v in s.items()} for n, s in by_name["state"].items()}  # fmt: skip
         options = StateDictOptions(full_state_dict=True, strict=False)  # LoRA: the adapters alone
         set_state_dict(self.named, optimizer, model_state_dict=weights, optim_state_dict=by_name, options=options)
 
@@ -1779,6 +1849,14 @@ def number(names: list[str]) -> dict[str, int]:
     return {name: i for i, name in enumerate(names)}
 
 
+class TorchReplicated(TorchFSDP):
+    """torch's data parallelism for a tensor-parallel model: its DDP takes no DTensor parameter, and
+    torch's replicate (FSDP's machinery, the weights kept whole along the replicas) does. It answers
+    as fully_shard's wrapper does, but no forward gathers anything."""
+
+    gathers_in_forward = False
+
+
 def renumber(state: dict, key: dict) -> dict:
     """An optimizer state_dict with its parameters renamed by `key`: torch's distributed state dicts
     name them, a plain optimizer numbers them (in the order its parameters were given)."""
@@ -1786,31 +1864,553 @@ def renumber(state: dict, key: dict) -> dict:
     return {"state": {key[q]: s for q, s in state["state"].items()}, "param_groups": groups}
 
 
-def shard_fully(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats) -> Wrapper:
+def shard_fully(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats, split: WholeModel | None = None) -> Wrapper:
     """FSDP units: each Transformer block, then the rest (embeddings, final norm, head) as the root
-    unit. Tied embedding and head weights are one tensor, so they must share a unit: the root."""
+    unit. Tied embedding and head weights are one tensor, so they must share a unit: the root.
+    Under tensor parallelism (torch's 2-D recipe) the slices are sharded along the replicas."""
     units = [*kit.blocks, kit.trained]
     if cfg.ddp == "manual":
-        return ManualFSDP(kit.trained, d, units, timeline=stats.timeline)
+        return ManualFSDP(kit.trained, d, units, stats=stats)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     # A device mesh says which ranks share the shards: here all of them, on this device type
     # (given explicitly: on a CPU, fully_shard would otherwise look for a GPU).
-    mesh = init_device_mesh(d.device.type, (d.world_size,))
+    mesh = d.mesh["dp"] if d.mesh is not None else init_device_mesh(d.device.type, (d.world_size,))
     for unit in units:  # inner units first: each takes its own parameters, the root what is left
         fully_shard(unit, mesh=mesh)
     # FSDP2 warns that a unit returned a view, which an in-place op could detach from its
     # all-gather; this script never modifies a model's output in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-    return TorchFSDP(kit.trained, kit.model)
+    return TorchFSDP(kit.trained, kit.model, split)
 
 
-def wrap_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats) -> Wrapper | TorchDDP:
-    """The model as every rank trains it: replicated (DDP, section 5) or sharded (FSDP, here)."""
+# ----------------------------------------------------------------------------------------------
+# 8. Model splitting: tensor and pipeline parallelism from scratch, beside torch's
+# ----------------------------------------------------------------------------------------------
+
+
+# Sharding (section 7) still computes every layer whole on every rank: it only stores less. Model
+# splitting computes less on each rank. Tensor parallelism (Shoeybi et al. 2019, Megatron-LM) cuts
+# each block's matrices across a group of ranks, so every rank computes a slice of every block;
+# pipeline parallelism (Huang et al. 2019, GPipe; Narayanan et al. 2019, 1F1B) gives each rank a run
+# of whole blocks, and the micro-batches flow from stage to stage. torch ships both
+# (parallelize_module, torch.distributed.pipelining); here is each from scratch, beside them.
+
+
+class WholeModel:
+    """How one replica's model lies across its ranks: whole on each, as without model splitting.
+    The wrappers (section 5) ask their split what to gather, cut, count and clip."""
+
+    loss_share = 1.0  # how much of this rank's loss counts in the global sum
+
+    def sliced(self, name: str) -> bool:
+        return False  # whether this rank holds only a slice of parameter `name`
+
+    def whole(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """Parameter `name` (or its Adam moment) whole, from this rank's piece: a collective when sliced."""
+        return t.detach()
+
+    def part(self, name: str, value: object, like: torch.Tensor | None = None) -> object:
+        """This rank's piece of a whole value of parameter `name` (shaped as `like`, when given)."""
+        return value
+
+    def clip_gradients(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        if max_norm:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
+
+    def whole_state_dict(self, d: Dist, raw: nn.Module) -> dict | None:
+        return None  # rank 0's own model is whole
+
+    def ownership(self, named_params: list) -> list[str]:
+        return []
+
+    def holdings(self) -> str:
+        """What of one replica's model this rank holds, in words (the memory table)."""
+        return "the whole model"
+
+
+def tensor_parallel_sum(t: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None) -> torch.Tensor:
+    """The all-reduce of tensor parallelism, in place; counted and traced when a run's stats watch."""
+    work = dist.all_reduce(t, group=group, async_op=True)
+    if stats is not None:
+        stats.count("tensor-parallel all-reduce", t.nbytes)
+        stats.traced(work.get_future(), "all-reduce", {"tensor parallel": tuple(t.shape), "bytes": t.nbytes}).wait()
+    work.wait()
+    return t
+
+
+class CopyToTensorParallel(torch.autograd.Function):
+    """Megatron's f: the identity in forward (every rank of the group holds the same input), an
+    all-reduce in backward: each rank's slice of the layer sends back its own part of the input's
+    gradient, and the input needs their sum."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None) -> torch.Tensor:
+        ctx.group, ctx.stats = group, stats
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple:
+        return tensor_parallel_sum(grad.contiguous().clone(), ctx.group, ctx.stats), None, None
+
+
+class ReduceFromTensorParallel(torch.autograd.Function):
+    """Megatron's g: an all-reduce in forward (each rank computed a partial sum of the output), the
+    identity in backward (every partial sum's gradient is the whole output's)."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None) -> torch.Tensor:
+        return tensor_parallel_sum(x.clone(), group, stats)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple:
+        return grad, None, None
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T, W's rows (y's columns) cut across the group: rank r computes its slice of y with no
+    communication in forward. `parts`: a fused Linear (q, k and v in one weight) is cut as that many
+    blocks, each rank taking its slice of each; cut naively, rank 0 would get q and half of k."""
+
+    def __init__(
+        self, linear: nn.Linear, group: dist.ProcessGroup, parts: int = 1, stats: CommStats | None = None
+    ) -> None:
+        super().__init__()
+        n, r = dist.get_world_size(group), dist.get_rank(group)
+        self.group, self.stats = group, stats
+        self.weight = nn.Parameter(rank_order(linear.weight.detach(), parts, n).chunk(n)[r].clone())
+        # A bias belongs to the outputs: cut with the rows, as the weight is.
+        b = linear.bias
+        self.bias = None if b is None else nn.Parameter(rank_order(b.detach(), parts, n).chunk(n)[r].clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(CopyToTensorParallel.apply(x, self.group, self.stats), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T, W's columns (x's features) cut across the group: rank r multiplies the slice of x
+    the column-parallel layer before it made, and the partial products are summed."""
+
+    def __init__(self, linear: nn.Linear, group: dist.ProcessGroup, stats: CommStats | None = None) -> None:
+        super().__init__()
+        n, r = dist.get_world_size(group), dist.get_rank(group)
+        self.group, self.stats = group, stats
+        self.weight = nn.Parameter(linear.weight.detach().chunk(n, dim=1)[r].clone())
+        # The bias whole on every rank, added once, after the sum: inside it, it would count n times.
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = ReduceFromTensorParallel.apply(F.linear(x, self.weight), self.group, self.stats)
+        return y if self.bias is None else y + self.bias
+
+
+def rank_order(weight: torch.Tensor, parts: int, n: int) -> torch.Tensor:
+    """A fused weight's rows rank by rank, [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]: an even cut in n then
+    gives each rank its slice of every part (for parts=1, the weight as it is)."""
+    return weight.reshape(parts, n, -1, *weight.shape[1:]).transpose(0, 1).reshape(weight.shape)
+
+
+def model_order(weight: torch.Tensor, parts: int, n: int) -> torch.Tensor:
+    """rank_order undone: the weight as the model, and every checkpoint, lays it out."""
+    return weight.reshape(n, parts, -1, *weight.shape[1:]).transpose(0, 1).reshape(weight.shape)
+
+
+@contextlib.contextmanager
+def own_dropout_stream(tp_rank: int) -> Iterator[None]:
+    """Megatron's rule for dropout under tensor parallelism: an activation every rank of the group
+    holds alike (the residual stream) draws the same mask on each, from the same seed; a sliced one
+    (this rank's own attention heads) draws its own. Its seed comes from the shared stream, so the
+    ranks stay in step, and a checkpoint's random state resumes it."""
+    seed = int(torch.randint(2**62, ()))  # the same on every rank of the group
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+        torch.manual_seed(seed + tp_rank)
+        yield
+
+
+class TensorParallel(WholeModel):
+    """Megatron's layout over the tensor-parallel group: in every block q, k, v and the MLP's first
+    Linear cut by output rows (column-parallel), the attention's output projection and the MLP's
+    second Linear by input columns (row-parallel): one all-reduce after each row-parallel Linear in
+    forward, one for each column-parallel input in backward; attention runs this rank's own heads.
+    The embeddings, norms and head stay whole on every rank. --ddp manual swaps in the modules above;
+    --ddp torch gives the same cuts to parallelize_module as ColwiseParallel and RowwiseParallel."""
+
+    def __init__(self, model: nn.Module, d: Dist, manual: bool, stats: CommStats | None = None) -> None:
+        self.group, self.n, self.rank = d.group("tp"), d.tp, d.tp_rank
+        self.loss_share = float(d.tp_rank == 0)  # every slice computed the same loss: one counts it
+        self.cuts: dict[str, tuple[int, int]] = {}  # parameter -> (the dimension cut, fused parts)
+        for i, block in enumerate(model.blocks):
+            self.cuts |= {f"blocks.{i}.attn.qkv.weight": (0, 3), f"blocks.{i}.attn.proj.weight": (1, 1),
+                          f"blocks.{i}.mlp.0.weight": (0, 1), f"blocks.{i}.mlp.2.weight": (1, 1)}  # fmt: skip
+            block.attn.own_dropout = functools.partial(own_dropout_stream, d.tp_rank)
+            if manual:
+                block.attn.qkv = ColumnParallelLinear(block.attn.qkv, self.group, 3, stats)
+                block.attn.proj = RowParallelLinear(block.attn.proj, self.group, stats)
+                block.mlp[0] = ColumnParallelLinear(block.mlp[0], self.group, 1, stats)
+                block.mlp[2] = RowParallelLinear(block.mlp[2], self.group, stats)
+                continue
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            with torch.no_grad():  # q, k, v rank by rank, so that torch's even row cut takes three blocks
+                block.attn.qkv.weight.copy_(rank_order(block.attn.qkv.weight, 3, self.n))
+            plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(), "mlp.0": ColwiseParallel(),
+                    "mlp.2": RowwiseParallel()}  # fmt: skip
+            parallelize_module(block, d.mesh["tp"], plan)
+        self.model = model
+
+    def sliced(self, name: str) -> bool:
+        return name in self.cuts
+
+    def to_model_order(self, name: str, whole: torch.Tensor) -> torch.Tensor:
+        return model_order(whole, self.cuts[name][1], self.n) if self.sliced(name) else whole
+
+    def whole(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        if not self.sliced(name):
+            return t.detach()
+        local = local_part(t).detach().contiguous()
+        pieces = [torch.empty_like(local) for _ in range(self.n)]
+        dist.all_gather(pieces, local, group=self.group)
+        return self.to_model_order(name, torch.cat(pieces, dim=self.cuts[name][0]))
+
+    def part(self, name: str, value: object, like: torch.Tensor | None = None) -> object:
+        if not (self.sliced(name) and torch.is_tensor(value) and value.dim()):
+            return value  # whole on every rank, or a 0-d step count
+        dim, parts = self.cuts[name]
+        piece = rank_order(value, parts, self.n).chunk(self.n, dim=dim)[self.rank].clone()
+        if hasattr(like, "device_mesh"):  # torch's: a DTensor cut as the parameter is
+            from torch.distributed.tensor import DTensor
+
+            return DTensor.from_local(piece.to(like.device), like.device_mesh, like.placements)
+        return piece
+
+    def clip_gradients(self, params: list[nn.Parameter], max_norm: float, dp_sharded: bool = False) -> torch.Tensor:
+        """One global norm: the squares of each rank's slices summed over the group, and those of what
+        every rank holds whole counted once (under FSDP's rows, dp_sharded: summed over every rank).
+        The same code for both kinds of tensor parallelism, so that they clip alike to the bit."""
+        sliced = {id(p) for n, p in self.model.named_parameters() if n in self.cuts}  # (data parallelism re-makes them)
+        grads = [(local_part(p.grad), id(p) in sliced) for p in params if p.grad is not None]
+        sliced, whole = (sum((g.float().square().sum() for g, s in grads if s == kind), torch.zeros(()).to(grads[0][0]))
+                         for kind in (True, False))  # fmt: skip
+        if dp_sharded:
+            total = sliced + whole * (self.rank == 0)
+            dist.all_reduce(total)
+        else:
+            dist.all_reduce(sliced, group=self.group)
+            total = sliced + whole
+        norm = total.sqrt()
+        if max_norm:  # a Python float: it multiplies a DTensor and a plain tensor alike
+            coef = min(1.0, max_norm / (float(norm) + 1e-6))
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return norm
+
+    def whole_state_dict(self, d: Dist, raw: nn.Module) -> dict | None:
+        whole: dict[int, torch.Tensor] = {}  # by tensor: tied weights stay one tensor
+        state = {
+            name: whole.setdefault(id(t), self.whole(name, t)) for name, t in raw.state_dict(keep_vars=True).items()
+        }
+        return to_cpu(state) if d.is_main else None
+
+    def ownership(self, named_params: list) -> list[str]:
+        lines = []
+        for name, _ in named_params:
+            if self.sliced(name) and len(lines) < 4:
+                dim, parts = self.cuts[name]
+                what = ("rows" if dim == 0 else "columns") + (" of each of q, k and v" if parts == 3 else "")
+                lines.append(f"{name}: slice {self.rank} of {self.n} of its {what}")
+        return [*lines, "... and the embeddings, norms and head whole, as every rank of the group holds them"]
+
+    def holdings(self) -> str:
+        return (f"slice {self.rank} of {self.n} of each block's q, k, v and MLP rows and projection columns; "
+                "embeddings, norms, head whole")  # fmt: skip
+
+
+def stage_blocks(stage: int, n_layers: int, stages: int) -> range:
+    """The blocks of a stage: a contiguous run, the stages as even as the blocks allow."""
+    return range(stage * n_layers // stages, (stage + 1) * n_layers // stages)
+
+
+def stage_of(name: str, n_layers: int, stages: int) -> int:
+    """The stage that holds parameter `name`: its block's; the embeddings the first's, the rest the last's."""
+    if name.startswith("blocks."):
+        block = int(name.split(".")[1])
+        return next(s for s in range(stages) if block in stage_blocks(s, n_layers, stages))
+    return 0 if name.startswith(("tok_emb", "pos_emb")) else stages - 1
+
+
+class StageSplit(WholeModel):
+    """A pipeline stage's part of the model: its own parameters whole, the others' none."""
+
+    def __init__(self, d: Dist, last: bool, first: bool, owned: range) -> None:
+        self.group, self.loss_share = d.group("pp"), float(last)  # only the last stage computes the loss
+        self.first, self.last, self.owned, self.stage = first, last, owned, d.pp_rank
+
+    def clip_gradients(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        """One global norm: each stage's squares, summed over the pipeline's stages."""
+        grads = [p.grad for p in params if p.grad is not None]
+        total = sum((g.float().square().sum() for g in grads), torch.zeros((), device=grads[0].device))
+        dist.all_reduce(total, group=self.group)
+        norm = total.sqrt()
+        if max_norm:
+            coef = min(1.0, max_norm / (float(norm) + 1e-6))
+            for g in grads:
+                g.mul_(coef)
+        return norm
+
+    def holdings(self) -> str:
+        parts = ["the embeddings"] * self.first + [f"blocks {self.owned.start}-{self.owned.stop - 1}"]
+        return f"stage {self.stage}: " + ", ".join(parts + ["the final norm and head"] * self.last)
+
+    def ownership(self, named_params: list) -> list[str]:
+        return [f"{self.holdings()} ({sum(p.numel() for _, p in named_params):,} weights)"]
+
+
+class StageState:
+    """What a pipeline answers for the rest of the script: the whole state from its stages, each of
+    which holds its own parameters whole (checkpoints, the final save, --inspect, --verify-sync)."""
+
+    d: Dist
+    group: dist.ProcessGroup
+    split: StageSplit
+
+    def gather_stages(self, mine: object) -> list | None:
+        """Every stage's `mine`, in stage order, on rank 0 (a collective of the first replica's stages)."""
+        if self.d.dp_rank:
+            return None
+        stages = [None] * self.d.pp if self.d.is_main else None
+        dist.gather_object(mine, stages, dst=0, group=self.group)
+        return stages
+
+    def rank0_state(self, d: Dist, named_params: list, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """Each stage's weights and optimizer state by name, gathered to rank 0 and numbered there in
+        the whole model's order, which is the stages' order: the checkpoint of one process."""
+        local = optimizer.state_dict()
+        moments = {named_params[i][0]: s for i, s in local["state"].items()}
+        stages = self.gather_stages(to_cpu(({n: p.detach() for n, p in named_params}, moments)))
+        if not d.is_main:
+            return {}, {}
+        weights = {n: t for stage_weights, _ in stages for n, t in stage_weights.items()}
+        index = number(list(weights))
+        state = {index[n]: s for _, stage_moments in stages for n, s in stage_moments.items()}
+        return weights, {"state": state, "param_groups": [{**local["param_groups"][0], "params": list(index.values())}]}
+
+    def load_state(self, named_params: list, weights: dict, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Each stage takes its own parameters' weights and state, by name, from the whole."""
+        index = number(list(weights))
+        with torch.no_grad():
+            for name, p in named_params:
+                p.copy_(weights[name])
+        mine = {j: state["state"][index[n]] for j, (n, _) in enumerate(named_params) if index[n] in state["state"]}
+        group = {**state["param_groups"][0], "params": list(range(len(named_params)))}
+        load_optimizer_state(optimizer, {"state": mine, "param_groups": [group]})
+
+    def whole_state_dict(self, d: Dist, raw: nn.Module) -> dict | None:
+        stages = self.gather_stages(to_cpu({n: t.detach() for n, t in raw.state_dict().items()}))
+        return {n: t for stage in stages for n, t in stage.items()} if d.is_main else {}
+
+    def replicated(self, named_params: list, optimizer: torch.optim.Optimizer | None = None) -> list:
+        return []  # no tensor is held by every rank: each stage holds its own blocks
+
+    def ownership(self, named_params: list, optimizer: torch.optim.Optimizer) -> list[str]:
+        return self.split.ownership(named_params)
+
+
+class Pipeline(StageState, Wrapper):
+    """Pipeline parallelism over the pipeline group: this rank holds one stage, a run of whole
+    blocks (the first stage the embeddings too, the last the final norm and head), and the step's
+    --grad-accum-steps micro-batches flow through the stages, activations forward and their
+    gradients back, so that a pipelined step is exactly the accumulated one. GPipe runs every
+    micro-batch's forward, then every backward; 1F1B, once the pipeline is full, alternates one
+    forward with one backward, so a stage holds at most (stages - its index) micro-batches'
+    activations. The idle time while it fills and drains is the bubble: (S - 1) / (M + S - 1) of
+    the step for S stages and M micro-batches. --ddp manual schedules over isend/irecv; --ddp torch
+    with torch.distributed.pipelining. Under data parallelism the stage's replicas then average
+    their gradients, bucket by bucket, as DDP would."""
+
+    def __init__(self, kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats) -> None:
+        model, n = kit.model, len(kit.model.blocks)
+        self.first, self.last = d.pp_rank == 0, d.pp_rank == d.pp - 1
+        self.owned = stage_blocks(d.pp_rank, n, d.pp)
+        for i in range(n):  # the other stages' parts are taken out: this rank holds only its own
+            if i not in self.owned:
+                model.blocks[i] = nn.Identity()
+        if not self.first:
+            model.tok_emb = model.pos_emb = None
+        if not self.last:
+            model.ln_f = model.head = None
+        super().__init__(model, StageSplit(d, self.last, self.first, self.owned))
+        self.d, self.cfg, self.stats = d, cfg, stats
+        self.group, self.ranks = d.group("pp"), dist.get_process_group_ranks(d.group("pp"))
+        self.sync = ManualDDP(model, d, cfg.bucket_mb, stats, self.split) if d.dp > 1 else None
+        self.all_reduces_buckets = self.sync is not None
+        self.in_flight: list[tuple[dist.Work, object, dict]] = []  # sends not yet seen done
+
+    def padded(self, batch: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every micro-batch at --seq-len: the stages exchange activations of one shape."""
+        inputs, targets = batch[:2]
+        pad = self.cfg.seq_len - inputs.shape[1]
+        return F.pad(inputs, (0, pad)), F.pad(targets, (0, pad), value=IGNORE_INDEX)
+
+    def forward_backward(self, micro_batches: list[tuple], scales: list[float], micro: MicroStep) -> torch.Tensor:
+        batches = [self.padded(b) for b in micro_batches]
+        with self.sync.no_sync() if self.sync else contextlib.nullcontext():
+            losses = self.schedule_step(batches, scales, micro)
+        return torch.stack(losses).sum() if losses else torch.zeros((), device=self.d.device)
+
+    def send(self, t: torch.Tensor, to: int) -> None:
+        """t to the stage `to` steps away (+1: the next, -1: the one before), counted; traced once seen done."""
+        self.stats.count("pipeline send", t.nbytes)
+        work = dist.isend(t.detach(), self.ranks[self.d.pp_rank + to], group=self.group)
+        self.in_flight.append((work, self.mark(), {"to stage": self.d.pp_rank + to, "bytes": t.nbytes}))
+
+    def settle(self, wait: bool = False) -> None:
+        """The sends seen done (all, with wait) leave the flight list, each a span on the timeline."""
+        for flight in list(self.in_flight):
+            work, start, args = flight
+            if wait:
+                work.wait()
+            if wait or work.is_completed():
+                self.in_flight.remove(flight)
+                self.span("send", start, args)
+
+    def receive(self, shape: tuple, frm: int, micro: MicroStep) -> torch.Tensor:
+        """A tensor from the stage `frm` steps away; the wait for it, this stage idle, is its bubble."""
+        self.settle()
+        t, start = torch.empty(shape, device=self.d.device), self.mark()
+        dist.irecv(t, self.ranks[self.d.pp_rank + frm], group=self.group).wait()
+        self.span("recv", start, {"from stage": self.d.pp_rank + frm, "bytes": t.nbytes})
+        micro.side.mark("bubble")  # this stage idle, waiting for its neighbour
+        return t
+
+    def mark(self) -> object:
+        timeline = self.stats.timeline
+        return timeline.now() if timeline is not None and timeline.on else None
+
+    def span(self, name: str, start: object, args: dict) -> None:
+        if start is not None and self.stats.timeline.on:
+            self.stats.timeline.pending.append((name, start, self.stats.timeline.now(), args))
+
+    def schedule_step(self, batches: list[tuple], scales: list[float], micro: MicroStep) -> list[torch.Tensor]:
+        """GPipe or 1F1B from scratch: a stage receives its input from the one before (the first reads
+        the ids), computes, and sends its output on; backward runs the other way."""
+        inputs, outputs, losses = {}, {}, []
+        shape = (*batches[0][0].shape, self.cfg.d_model)
+
+        def forward(m: int) -> None:
+            x = batches[m][0] if self.first else self.receive(shape, -1, micro).requires_grad_()
+            if self.last:  # the loss, scaled as section 6 says
+                loss = micro.forward(self.module, (x, batches[m][1]))
+                losses.append(loss.detach())
+                outputs[m] = loss * scales[m]
+            else:
+                with autocast_for(micro.precision, self.d.device):
+                    outputs[m] = self.module(x)
+                micro.side.mark("forward")
+                self.send(outputs[m], +1)
+            inputs[m] = x
+
+        def backward(m: int) -> None:
+            y, x = outputs.pop(m), inputs.pop(m)
+            if self.last:
+                micro.backward(y)
+            else:
+                y.backward(self.receive(y.shape, +1, micro))
+                micro.side.mark("backward")
+            if not self.first:
+                self.send(x.grad, -1)
+
+        # GPipe: every forward first. 1F1B: as many as the stages after this one need to start (the
+        # last stage none), then one forward and one backward, then the backwards left over.
+        count = len(batches)
+        warmup = min(count, count if self.cfg.pp_schedule == "gpipe" else self.d.pp - self.d.pp_rank - 1)
+        for m in range(warmup):
+            forward(m)
+        for m in range(warmup, count):
+            forward(m)
+            backward(m - warmup)
+        for m in range(count - warmup, count):
+            backward(m)
+        self.settle(wait=True)
+        return losses
+
+    def finish_gradient_sync(self) -> None:
+        if self.sync:  # the replicas of this stage average its gradients: no_sync kept them local till now
+            for p in self.sync.place:
+                if p.grad is not None:
+                    self.sync._gradient_ready(p)
+            self.sync.finish_gradient_sync()
+
+    def eval_loss(self, kit: ModelKit, batch: tuple) -> torch.Tensor:
+        """Forward only, through the stages; the loss on the last (0 elsewhere: its share is 0)."""
+        x, targets = self.padded(batch)
+        if not self.first:
+            received = torch.empty((*x.shape, self.cfg.d_model), device=self.d.device)
+            dist.recv(received, self.ranks[self.d.pp_rank - 1], group=self.group)
+            x = received
+        if self.last:
+            return token_loss_sum(self.module(x), targets)
+        dist.send(self.module(x), self.ranks[self.d.pp_rank + 1], group=self.group)
+        return torch.zeros((), device=self.d.device)
+
+
+class TorchPipeline(Pipeline):
+    """The same stages under torch.distributed.pipelining: PipelineStage and its GPipe or 1F1B schedule."""
+
+    schedule = None  # made at the first step, for that many micro-batches
+
+    def schedule_step(self, batches: list[tuple], scales: list[float], micro: MicroStep) -> list[torch.Tensor]:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        # A micro-batch's scale from its own target count (the same count gives the same scale): torch
+        # calls loss_fn once more on its first step, to check the stage's output, so an index would slip.
+        scale_of = {int((t != IGNORE_INDEX).sum()): scale for (_, t), scale in zip(batches, scales, strict=True)}
+        losses: list[torch.Tensor] = []
+
+        def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            loss = micro.side.loss(token_loss_sum(logits, targets))
+            losses.append(loss.detach())
+            return loss * scale_of[int((targets != IGNORE_INDEX).sum())]
+
+        if self.schedule is None:
+            stage = PipelineStage(self.module, self.d.pp_rank, self.d.pp, self.d.device, group=self.group)
+            kind = ScheduleGPipe if self.cfg.pp_schedule == "gpipe" else Schedule1F1B
+            # scale_grads=False: each loss is already divided as section 6 says, not by the micro-batches
+            self.schedule = kind(stage, len(batches), loss_fn=lambda y, t: self.loss_fn(y, t), scale_grads=False)
+        self.loss_fn = loss_fn
+        ids, targets = (torch.cat(column) for column in zip(*batches, strict=True))
+        with autocast_for(micro.precision, self.d.device):
+            if self.first:
+                self.schedule.step(ids)
+            else:
+                self.schedule.step(target=targets if self.last else None, losses=[] if self.last else None)
+        return losses[-len(batches) :]  # the micro-batches' own, without that first check
+
+
+def split_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats) -> WholeModel | None:
+    """Tensor parallelism applied to the model in place, before the data-parallel wrapper takes it."""
+    if kit.split is not None:
+        return kit.split
+    return TensorParallel(kit.model, d, cfg.ddp == "manual", stats) if d.tp > 1 else None
+
+
+def wrap_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats, split: WholeModel | None) -> Wrapper:
+    """The model as every rank trains it: replicated (DDP, section 5), sharded (FSDP, section 7), or
+    split (here): a pipeline's stage, or tensor-parallel slices under DDP or FSDP."""
+    if d.pp > 1:
+        return (TorchPipeline if cfg.ddp == "torch" else Pipeline)(kit, cfg, d, stats)
     if d.distributed and cfg.sharding == "full":
-        return shard_fully(kit, cfg, d, stats)
-    return wrap_data_parallel(kit.trained, cfg, d, stats)
+        return shard_fully(kit, cfg, d, stats, split)
+    if split and d.dp > 1 and cfg.ddp == "torch":
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        for unit in [*kit.blocks, kit.trained]:  # inner units first, as fully_shard takes them
+            replicate(unit, mesh=d.mesh["dp"])
+        return TorchReplicated(kit.trained, kit.model, split)
+    return wrap_data_parallel(kit.trained, cfg, d, stats, split)
 
 
 # ==============================================================================================
@@ -1825,7 +2425,7 @@ def wrap_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats) -> Wrap
 
 
 # ----------------------------------------------------------------------------------------------
-# 8. Command line: argparse fills the RunConfig, and refuses what cannot run
+# 9. Command line: argparse fills the RunConfig, and refuses what cannot run
 # ----------------------------------------------------------------------------------------------
 
 
@@ -1913,6 +2513,8 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         raise UsageError(f"--d-model {cfg.d_model} is not divisible by --n-heads {cfg.n_heads}")
     if cfg.sharding == "full" and (why := cannot_shard_fully(cfg)):
         raise UsageError(why)
+    if cfg.tp * cfg.pp > 1 and (why := cannot_split(cfg)):
+        raise UsageError(why)
     try:  # found now, not after hours of training when the sample is printed
         cfg.prompt.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -1939,7 +2541,7 @@ def pretrained_flags_given(parser: argparse.ArgumentParser, argv: list[str], arg
 
 
 # ----------------------------------------------------------------------------------------------
-# 9. Launcher: ranks started without torchrun (--nproc), and meetings with no deadline
+# 10. Launcher: ranks started without torchrun (--nproc), and meetings with no deadline
 # ----------------------------------------------------------------------------------------------
 
 
@@ -2107,7 +2709,7 @@ def meet_without_deadline(d: Dist, name: str, problem: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# 10. Records: .jsonl schemas, chat templates and assistant-only targets, packing, the token cache
+# 11. Records: .jsonl schemas, chat templates and assistant-only targets, packing, the token cache
 # ----------------------------------------------------------------------------------------------
 
 
@@ -2278,14 +2880,14 @@ def read_corpus_lines(path: Path) -> list[str]:
 
 @dataclass(frozen=True)
 class Examples(Dataset):
-    """Rows as padded tensors, all in memory: a handful of rows to look at (Rows.whole, section 3), or your own."""
+    """Rows as padded tensors, all in memory: a handful of rows to look at (Rows.whole), or your own."""
 
     inputs: torch.Tensor  # (N, T) int64
     targets: torch.Tensor  # (N, T) int64, IGNORE_INDEX on padding
     # (N,) int64: UTF-8 bytes of text the targets spell out (a line's end counts as one byte).
     # Loss per byte compares models whose tokens differ: a byte-level model and Qwen's BPE.
     target_bytes: torch.Tensor
-    # (N, T) int64 for packed rows: each example's positions restart at 0 (pack_rows, section 10)
+    # (N, T) int64 for packed rows: each example's positions restart at 0 (pack_rows, section 11)
     positions: torch.Tensor | None = None
 
     def __len__(self) -> int:
@@ -2724,7 +3326,7 @@ class Lines:
     stream[edges[i] + 1 : edges[i + 1]], framed by the newlines at edges[i] and edges[i + 1].
     `chosen` marks the lines this set uses (training or held out), kept in file order."""
 
-    stream: np.ndarray | FileArray  # uint8, read from the token cache (FileArray, section 10), or in memory
+    stream: np.ndarray | FileArray  # uint8, read from the token cache (FileArray, section 11), or in memory
     edges: np.ndarray | FileArray  # (N + 1,) the framing newlines' positions
     key: str  # what the bytes are: the token cache's key, part of the training data's digest
     chosen: np.ndarray | None = None  # bool, one per line; None: every line
@@ -2783,6 +3385,27 @@ class Pieces:
             parts.append(self.stream[start : start + take])
             at, piece = at + take, piece + 1
         return torch.from_numpy(np.concatenate(parts).astype(np.int64))
+
+
+class Rows(Dataset):
+    """Training examples made one row at a time, when a batch asks for it, from flat arrays of
+    tokens (read from the token cache, section 11, as batches ask): nothing is ever held padded to
+    seq_len, so memory does not grow with seq_len x examples. Row i is (inputs, targets[,
+    positions]), each of seq_len tokens; trim_padding then cuts the batch to its longest row. The
+    byte model's rows are ShiftingWindows and ByteWindows, a pretrained model's TokenRows (section 11)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        """Fixed rows: only the sampler's order changes between epochs."""
+
+    @functools.cached_property
+    def whole(self) -> Examples:
+        """Every row at once, padded: for looking at a few rows, never for a real data set."""
+        columns = [torch.stack(c) for c in zip(*(self[i] for i in range(len(self))), strict=True)]
+        return Examples(columns[0], columns[1], self.target_bytes, columns[2] if len(columns) > 2 else None)
+
+    inputs = property(lambda self: self.whole.inputs)
+    targets = property(lambda self: self.whole.targets)
+    positions = property(lambda self: self.whole.positions)
 
 
 class ShiftingWindows(Rows):
@@ -3014,6 +3637,15 @@ def show_examples(cfg: RunConfig, d: Dist, records: list[Record]) -> None:
         texts = [decode(ids[:end]) for end in ends]
         runs = [(b[len(a) :], is_target[end - 1]) for a, b, end in zip(["", *texts], texts, ends, strict=False)]
         say("".join(f"[[{text}]]" if target else text for text, target in runs))
+
+
+def collate_for(cfg: RunConfig) -> Callable[[list], tuple[torch.Tensor, ...]]:
+    """How a micro-batch is stacked. Under sdpa and eager, packed rows stay rows: transformers builds
+    each row a block-diagonal causal mask from its position_ids, and one long row would make that
+    mask (and attention's work) grow with the square of the whole micro-batch. (flash_attention_2
+    needs one row per micro-batch: flatten_rows, section 11.)"""
+    flash = cfg.model == "hf" and cfg.pack and cfg.attn_implementation.startswith("flash_attention")
+    return flatten_rows if flash else trim_padding
 
 
 def flatten_rows(batch: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
@@ -3465,13 +4097,18 @@ def corpus_from(arrays: dict[str, np.ndarray | FileArray], meta: dict, key: str)
 
 
 # ----------------------------------------------------------------------------------------------
-# 11. Pretrained models: Qwen2.5, Llama, Gemma, Mistral, Phi-3, ... with LoRA; the tiny model's size check
+# 12. Pretrained models: Qwen2.5, Llama, Gemma, Mistral, Phi-3, ... with LoRA; the tiny model's size check
 # ----------------------------------------------------------------------------------------------
 
 
 # The pretrained path's outputs keep the names they had when it served Qwen alone: users' scripts read them.
 QWEN_FINAL = "qwen_lora"  # the trained adapters and tokenizer, in OUTPUT_DIR
 QWEN_FULL_FINAL = "qwen_full"  # --finetune full: the whole fine-tuned model and tokenizer, in OUTPUT_DIR
+
+
+def tiny_parameter_count(c: TinyConfig) -> int:
+    """Embeddings and head, plus per block: qkv 3d², proj d², MLP 8d², two norms."""
+    return (2 * c.vocab_size + c.seq_len) * c.d_model + c.n_layers * (12 * c.d_model**2 + 2 * c.d_model) + c.d_model
 
 
 def check_model_fits(n_params: int, d: Dist) -> None:
@@ -3517,6 +4154,8 @@ def build_pretrained_kit(
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
+    if lora and d.tp > 1:
+        check_lora_under_tp(model, cfg.lora_targets)
     model = (add_lora(cfg, model) if lora else model).to(d.device)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
@@ -3529,7 +4168,8 @@ def build_pretrained_kit(
             # LoRA: adapter_config.json + adapter_model.safetensors only. Full: the whole model,
             # config and weights, as from_pretrained reads it. (save_pretrained empties a
             # state_dict it is given, hence the copy.)
-            raw.save_pretrained(tmp, state_dict=dict(whole) if whole else None)
+            with saved_as_one_process(raw):
+                raw.save_pretrained(tmp, state_dict=dict(whole) if whole else None)
             tokenizer.save_pretrained(tmp)
         return path
 
@@ -3589,6 +4229,7 @@ def build_pretrained_kit(
         + f": {trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.3f}%)",
         blocks=list(decoder_layers(model)),
         reload=functools.partial(reload_pretrained, cfg, dtype, d.device),
+        split=PlannedTensorParallel(model, d) if d.tp > 1 else None,
         data_report=f"{counts['truncated']} cut to --seq-len {cfg.seq_len}, "
         f"{counts['dropped']} dropped with no target token left",
     )
@@ -3622,7 +4263,15 @@ def add_lora(cfg: RunConfig, model: nn.Module) -> nn.Module:
     )
     # Trainability is settled before DDP wraps the model: DDP registers its gradient hooks on
     # the parameters that require grad when it is built, and only those ever travel.
-    return get_peft_model(model, lora)
+    model = get_peft_model(model, lora)
+    # A drawn again, layer by layer from the seed, as PEFT draws it: PEFT's own draws sit between
+    # the creation of layers whose sizes --tp changes, so its A would differ from one process's.
+    torch.manual_seed(cfg.seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_A." in name:
+                nn.init.kaiming_uniform_(p, a=math.sqrt(5))
+    return model
 
 
 def causal_lm(model: nn.Module) -> nn.Module:
@@ -3770,13 +4419,70 @@ def load_pretrained(cfg: RunConfig, d: Dist, dtype: torch.dtype) -> tuple[PreTra
         )
     folder = resolve_model_files(cfg, d)
     tokenizer = load_tokenizer(cfg, folder)
+    # --tp: transformers cuts the weights by the model's own tensor-parallel plan as it loads them,
+    # over a mesh of its own making that spans every rank.
+    if d.tp > 1 and d.tp != d.world_size:
+        raise UsageError(
+            f"--tp {d.tp} on {d.world_size} ranks with --model hf: transformers' plan splits the model over every "
+            f"rank; give --tp {d.world_size} (data parallelism beside it: the tiny model)"
+        )
+    split = {"distributed_config": transformers.DistributedConfig(tp_plan="auto", tp_size=d.tp)} if d.tp > 1 else {}
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            folder, dtype=dtype, attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code
+            folder,
+            dtype=dtype,
+            attn_implementation=cfg.attn_implementation,
+            trust_remote_code=cfg.trust_remote_code,
+            **split,
         )
     except (OSError, ValueError, ImportError) as e:
         raise UsageError(unsupported_attention(cfg, e) or f"cannot load model from {folder}: {first_line(e)}") from None
+    if split and not getattr(model.config, "base_model_tp_plan", None):
+        raise UsageError(f"--tp {d.tp}: transformers has no tensor-parallel plan for {model.config.model_type} models")
     return tokenizer, model
+
+
+class PlannedTensorParallel(TensorParallel):
+    """A pretrained model under transformers' own tensor-parallel plan (the config's
+    base_model_tp_plan, Megatron's layout: q, k, v, gate and up by output rows, o and down by input
+    columns), applied by from_pretrained(tp_plan="auto"): each sliced weight arrives as a DTensor
+    cut along one dimension, so gathering, cutting and clipping work as for the tiny model's."""
+
+    def __init__(self, model: nn.Module, d: Dist) -> None:
+        self.group, self.n, self.rank, self.model = d.group("tp"), d.tp, d.tp_rank, model
+        self.loss_share = float(d.tp_rank == 0)  # the head gathers its output: every slice computed the loss
+        self.cuts = {name: (t.placements[0].dim, 1) for name, t in model.state_dict(keep_vars=True).items()
+                     if hasattr(t, "placements") and t.placements[0].is_shard()}  # fmt: skip
+
+    def holdings(self) -> str:
+        return (
+            f"slice {self.rank} of {self.n} of each layer's projections, as the model's tensor-parallel plan cuts them"
+        )
+
+
+@contextlib.contextmanager
+def saved_as_one_process(model: nn.Module) -> Iterator[None]:
+    """transformers' save_pretrained of a tensor-parallel model gathers the slices itself and then
+    meets every rank at a barrier; here rank 0 alone writes the whole state the wrapper gathered,
+    so the model forgets its distributed config while it does (a setting never written to config.json)."""
+    config = causal_lm(model).config
+    kept, config.distributed_config = getattr(config, "distributed_config", None), None
+    try:
+        yield
+    finally:
+        config.distributed_config = kept
+
+
+def check_lora_under_tp(model: nn.Module, targets: tuple[str, ...]) -> None:
+    """PEFT adds a LoRA branch's full output to a column-parallel layer's (probed: exact), but not
+    to a row-parallel one's partial sums, where it fails on the shapes: refused before that."""
+    plan = causal_lm(model).config.base_model_tp_plan
+    rows = sorted({key.rsplit(".", 1)[-1] for key, style in plan.items() if style.startswith("rowwise")})
+    if hit := [t for t in targets if t in rows or t == ALL_LINEAR]:
+        raise UsageError(
+            f"--lora-targets {','.join(hit)} under --tp: PEFT cannot add LoRA to the row-parallel layers "
+            f"({', '.join(rows)}); target the column-parallel ones, such as q_proj,v_proj"
+        )
 
 
 def unsupported_attention(cfg: RunConfig, error: BaseException) -> str | None:
@@ -3817,7 +4523,7 @@ def check_lora_targets(model: nn.Module, targets: tuple[str, ...]) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# 12. Reports and checks: how gradients travel, the whole state from shards, --inspect, --verify-sync
+# 13. Reports and checks: how gradients travel, the whole state from shards, --inspect, --verify-sync
 # ----------------------------------------------------------------------------------------------
 
 
@@ -3854,14 +4560,50 @@ def cannot_shard_fully(cfg: RunConfig) -> str | None:
     return None
 
 
-def rank0_optimizer_state(d: Dist, optimizer: torch.optim.Optimizer) -> dict:
+def cannot_split(cfg: RunConfig) -> str | None:
+    """What --tp and --pp cannot do (yet), each named, before any rank trains."""
+    if cfg.tp > 1 and cfg.pp > 1:
+        return "--tp with --pp: the two splits do not compose yet; use one, with data parallelism along the rest"
+    if cfg.model == "hf" and cfg.pp > 1:
+        return "--pp with --model hf: stages are cut from the tiny model's blocks only; use --tp or --sharding full"
+    flag = f"--tp {cfg.tp}" if cfg.tp > 1 else f"--pp {cfg.pp}"
+    if cfg.sharding == "optimizer" or (cfg.pp > 1 and cfg.sharding == "full"):
+        return (
+            f"{flag} with --sharding {cfg.sharding}: not built yet; --tp composes with --sharding full, both with none"
+        )
+    if cfg.tp > 1 and cfg.sharding == "full" and cfg.ddp == "manual":
+        return "--tp with --sharding full --ddp manual: the from-scratch FSDP does not shard slices; use --ddp torch"
+    if cfg.model == "tiny" and cfg.tp > 1 and (cfg.n_heads % cfg.tp or cfg.d_model % cfg.tp):
+        return (
+            f"--tp {cfg.tp} must divide --n-heads {cfg.n_heads} and --d-model {cfg.d_model}: a rank takes whole heads"
+        )
+    if cfg.model == "tiny" and cfg.pp > cfg.n_layers:
+        return f"--pp {cfg.pp} is more stages than --n-layers {cfg.n_layers} blocks: each stage needs one at least"
+    if cfg.precision == "fp16":
+        return f"{flag} with --precision fp16: its loss scaler is not split with the model; use bf16 or fp32"
+    if cfg.pp > 1 and cfg.inject_fault and cfg.inject_fault.kind == "desync":
+        return "--inject-fault desync with --pp: no tensor is held by every rank, so no check could tell"
+    if cfg.ddp == "torch" and (cfg.grad_compression != "none" or cfg.trace_steps):
+        what = "--grad-compression" if cfg.grad_compression != "none" else "--trace-steps"
+        return (f"{what} with {flag} --ddp torch: torch's split runs its collectives out of this script's "
+                "sight; --ddp manual shows and compresses its own")  # fmt: skip
+    return None
+
+
+def rank0_optimizer_state(d: Dist, optimizer: torch.optim.Optimizer, named_params: list,
+                          whole: Callable[[str, torch.Tensor], torch.Tensor]) -> dict:  # fmt: skip
     """The optimizer's whole state on rank 0 ({} elsewhere); a collective under ZeRO-1, whose ranks
-    each hold the state of their own parameters: it is collected."""
+    each hold the state of their own parameters (it is collected), and under tensor parallelism,
+    whose moments are sliced like their parameters (whole(name, moment) gathers each)."""
     if isinstance(optimizer, ShardedOptimizer):
         return optimizer.state_dict(to=0, group=d.control)  # over Gloo: the state stays off the GPUs
     if holds_a_share(optimizer):  # torch's ZeroRedundancyOptimizer
         optimizer.consolidate_state_dict(to=0)
-    return optimizer.state_dict() if d.is_main else {}
+        return optimizer.state_dict() if d.is_main else {}
+    state = optimizer.state_dict()
+    moments = {i: {k: whole(named_params[i][0], v) if torch.is_tensor(v) and v.dim() else v for k, v in s.items()}
+               for i, s in state["state"].items()}  # fmt: skip
+    return {**state, "state": moments} if d.is_main else {}
 
 
 def optimizer_state_tensors(named_params: list, optimizer: torch.optim.Optimizer) -> list:
@@ -3961,42 +4703,49 @@ def describe_local_gradient(stats: CommStats, named_params: list[tuple[str, nn.P
 
 
 def report_inspect_step(cfg: RunConfig, d: Dist, step: int, stats: CommStats, sent: tuple[int, int],
-                        named_params: list, local_loss_sum: float, micro_tokens: list[int]) -> None:  # fmt: skip
-    """The first steps through the eyes of each rank: its loss, its tokens, its gradient."""
+                        named_params: list, local_loss_sum: float, micro_tokens: list[int],
+                        share: float) -> None:  # fmt: skip
+    """The first steps through the eyes of each rank: its loss, its tokens, its gradient. (Under
+    model splitting one rank of each replica counts its loss: share 1, the others 0.)"""
     local_tokens = sum(micro_tokens)
     # Both normalizations of this very step: the exact global mean, and the mean of per-rank means.
     loss_total, means_total, global_tokens = all_reduce_sum(d, [local_loss_sum, local_loss_sum / local_tokens,
-                                                                local_tokens])  # fmt: skip
+                                                                local_tokens * share])  # fmt: skip
     bucketed = bool(stats.local_grads)  # DDP's buckets; under --sharding full there are none to show
     if step == 1 and bucketed:
         log_buckets(d, stats, "[inspect] gradient buckets at step 1 (a bucket is all-reduced as soon as all its "
                               "gradients are ready):")  # fmt: skip
     local = f"step {step}: local loss {local_loss_sum / local_tokens:.4f} over {local_tokens} tokens " \
             f"({'+'.join(map(str, micro_tokens))} in {len(micro_tokens)} micro-step(s))"  # fmt: skip
+    if not share:  # a tensor slice that is not its group's first, or a pipeline stage before the last
+        local = f"step {step}: its replica's {local_tokens} tokens pass through here; another rank counts their loss"
     print_in_rank_order(d, [local, *([f"step {step}: {describe_local_gradient(stats, named_params)}"] * bucketed)])
+    moved = f"all-reduced {sent[0]} bucket(s), {sent[1] / 2**20:.3f} MiB"
+    if not sent[0] and d.tp * d.pp > 1:  # one replica: no gradient to average, only the split's own traffic
+        moved = "all-reduced no gradient bucket, its split's own being in the summary's 'collectives'"
     log(d, f"[inspect] step {step}: global-token mean loss {loss_total / global_tokens:.4f} over "
-           f"{int(global_tokens)} tokens; mean of per-rank means {means_total / d.world_size:.4f}; this step "
-           f"all-reduced {sent[0]} bucket(s), {sent[1] / 2**20:.3f} MiB ({cfg.loss_normalization} normalization "
-           "is training)")  # fmt: skip
+           f"{int(global_tokens)} tokens; mean of per-rank means {means_total / d.dp:.4f}; this step "
+           f"{moved} ({cfg.loss_normalization} normalization is training)")  # fmt: skip
     if stats.layout_changed:
         log_buckets(d, stats, "[inspect] DDP rebuilt its buckets after step 1 (in the order gradients arrived):")
         stats.layout_changed = False
 
 
 # ----------------------------------------------------------------------------------------------
-# 13. Timeline: every rank's first --trace-steps steps on one clock, as a trace file and a picture
+# 14. Timeline: every rank's first --trace-steps steps on one clock, as a trace file and a picture
 # ----------------------------------------------------------------------------------------------
 
 
 Span = tuple[str, float, float, dict]  # (name, start, end, args): seconds on one rank's clock
 
 
-# What a timeline draws on its communication lanes: DDP's all-reduces; FSDP's all-gathers of
-# weights (before forward and again before backward) and reduce-scatters of gradients.
-COMMUNICATION = ("all-reduce", "all-gather", "reduce-scatter")
+# What a timeline draws on its communication lanes: DDP's and tensor parallelism's all-reduces;
+# FSDP's all-gathers of weights (before forward and again before backward) and reduce-scatters of
+# gradients; a pipeline's sends and receives of activations and their gradients.
+COMMUNICATION = ("all-reduce", "all-gather", "reduce-scatter", "send", "recv")
 PHASE_COLOURS = {"data": "#b0b0b0", "forward": "#4c72b0", "backward": "#55a868", "sync": "#dd8452",
-                 "optimizer": "#8172b3", "all-reduce": "#c44e52", "all-gather": "#937860",
-                 "reduce-scatter": "#da8bc3"}  # fmt: skip
+                 "optimizer": "#8172b3", "bubble": "#eeeeee", "all-reduce": "#c44e52", "all-gather": "#937860",
+                 "reduce-scatter": "#da8bc3", "send": "#64b5cd", "recv": "#ccb974"}  # fmt: skip
 
 
 class Timeline:
@@ -4136,6 +4885,18 @@ def hidden_shares(ranks: list[list[Span]]) -> str:
     return ", ".join(f"rank {r} {100 * h:.0f}%" for r, h in enumerate(hidden) if h is not None)
 
 
+def bubble_shares(ranks: list[list[Span]]) -> str:
+    """Each pipeline stage's idle share, the time it waited for a neighbour, over its traced steps
+    after the first (whose start-up skew is not the pipeline's), or over the one step traced."""
+
+    def share(spans: list[Span]) -> float:
+        starts = sorted(a for n, a, _, _ in spans if n.startswith("step "))
+        later = [(n, b - a) for n, a, b, _ in spans if a >= starts[min(1, len(starts) - 1)]]
+        return sum(t for n, t in later if n == "bubble") / sum(t for n, t in later if n.startswith("step "))
+
+    return ", ".join(f"rank {r} {100 * share(spans):.0f}%" for r, spans in enumerate(ranks))
+
+
 def describe_overlap(ranks: list[list[Span]]) -> str:
     """What the trace shows of communication hidden behind compute, for the summary."""
     if len(ranks) == 1:
@@ -4147,6 +4908,24 @@ def describe_overlap(ranks: list[list[Span]]) -> str:
         return (f"hidden behind forward and backward: {per_rank} of the time an all-gather or reduce-scatter "
                 f"was in flight ({steps} traced steps)")  # fmt: skip
     return f"hidden behind backward: {per_rank} of the time a bucket was in flight ({steps} traced steps)"
+
+
+def describe_trace(cfg: RunConfig, ranks: list[list[Span]]) -> tuple[str, str]:
+    """The summary's row on what the trace shows: under a model split, what its communication
+    costs (a tensor-parallel all-reduce sits inside forward and backward, which wait for it; a
+    pipeline stage idles while it fills and drains); otherwise how much of it hid behind compute."""
+    if cfg.pp > 1:
+        s, m = cfg.pp, cfg.grad_accum_steps
+        ideal = f"{100 * (s - 1) / (m + s - 1):.0f}% for {s} stages and {m} micro-batches"
+        # The last stage waits out the drain in the step's closing all-reduces (sync), not in a receive.
+        return (
+            "pipeline bubble",
+            f"idle, waiting for a neighbour: {bubble_shares(ranks)} (ideal {ideal}, for the first)",
+        )
+    if cfg.tp > 1:
+        return "tensor parallel", "its all-reduces sit inside forward and backward, which wait for them"
+    sharded = any(name == "all-gather" for name, *_ in ranks[0])
+    return "communication" if sharded else "all-reduce", describe_overlap(ranks)
 
 
 def communication_lanes(spans: list[Span]) -> list[tuple[Span, int]]:
@@ -4214,16 +4993,22 @@ def timeline_figure(plt: object, cfg: RunConfig, ranks: list[list[Span]]) -> obj
     shares, sharded = hidden_shares(ranks), cfg.sharding == "full"
     note = f"\n{'communication hidden behind compute' if sharded else 'all-reduce hidden behind backward'}: {shares}"
     how = "--sharding full" if sharded else f"{cfg.bucket_mb:g} MiB buckets"
-    ax.set_title(f"{cfg.model} model, --ddp {cfg.ddp}, {how}{note if shares else ''}", fontsize=10, pad=14)
+    if cfg.tp > 1:  # its all-reduces sit inside forward and backward, which wait for them: nothing hides
+        how, note = f"--tp {cfg.tp}", "\ntensor-parallel all-reduces inside forward and backward"
+    if cfg.pp > 1:
+        how = f"--pp {cfg.pp} ({cfg.pp_schedule})"
+        note = f"\nidle, waiting for a neighbour (the bubble): {bubble_shares(ranks)}"
+    ax.set_title(f"{cfg.model} model, --ddp {cfg.ddp}, {how}{note if shares or cfg.tp * cfg.pp > 1 else ''}",
+                 fontsize=10, pad=14)  # fmt: skip
     drawn = {name for spans in ranks for name, *_ in spans}
-    shown = {k: c for k, c in PHASE_COLOURS.items() if k not in COMMUNICATION or k in drawn}
+    shown = {k: c for k, c in PHASE_COLOURS.items() if (k not in COMMUNICATION and k != "bubble") or k in drawn}
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in shown.values()]
     fig.legend(handles, list(shown), loc="outside lower center", ncol=len(shown), frameon=False)
     return fig
 
 
 # ----------------------------------------------------------------------------------------------
-# 14. Step side work: warmup, precision, faults on purpose, the step's side work, stop requests
+# 15. Step side work: warmup, precision, faults on purpose, the step's side work, stop requests
 # ----------------------------------------------------------------------------------------------
 
 
@@ -4289,11 +5074,11 @@ def cpu_bf16_slowdown(n: int = 256, repeats: int = 3) -> float:
     return seconds[1] / seconds[0]
 
 
-def autocast_for(precision: str, d: Dist) -> contextlib.AbstractContextManager:
+def autocast_for(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
     """Matmuls in bf16/fp16 inside forward; weights, gradients and optimizer stay fp32."""
     if precision == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(d.device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
 
 
 def check_gradients_arrived(model: nn.Module, d: Dist) -> None:
@@ -4363,6 +5148,7 @@ class SideWork:
         if self.fault in ("kill", "raise", "hang"):
             crash_on_purpose(self.fault, self.d, step)
         self.stats.local_grads = {} if self.cfg.inspect and step <= INSPECT_STEPS else None
+        self.stats.counting = True  # until after_update: a step's collectives, not evaluation's
         return started
 
     def mark(self, phase: str) -> None:
@@ -4372,7 +5158,7 @@ class SideWork:
             if self.cuda:
                 torch.cuda.synchronize()
             now = time.perf_counter()
-            self.phase_seconds[phase] += now - self.last
+            self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + now - self.last  # (a pipeline's bubble)
             self.last = now
 
     def take_times(self, steps: int) -> dict[str, float]:
@@ -4384,15 +5170,15 @@ class SideWork:
     def loss(self, micro_loss: torch.Tensor) -> torch.Tensor:
         return micro_loss * float("nan") if self.fault == "nan" else micro_loss
 
-    def gradients_synced(self, step: int, named_params: list, sent: tuple[int, int], local_loss_sum: torch.Tensor,
-                         micro_tokens: list[int]) -> None:  # fmt: skip
+    def gradients_synced(self, step: int, model: Replicas, named_params: list, sent: tuple[int, int],
+                         local_loss_sum: torch.Tensor, micro_tokens: list[int]) -> None:  # fmt: skip
         if self.fault == "desync":  # pretend this rank's gradient sync silently went wrong
             named_params[0][1].grad.add_(1e-3)
         if step == 1:
             check_gradients_arrived(self.kit.model, self.d)
         if self.stats.local_grads is not None:  # the averaged gradient as the all-reduce left it, before clipping
             report_inspect_step(self.cfg, self.d, step, self.stats, sent, named_params, local_loss_sum.item(),
-                                micro_tokens)  # fmt: skip
+                                micro_tokens, model.split.loss_share)  # fmt: skip
 
     def verifying(self, step: int) -> bool:
         return bool(self.cfg.verify_sync and step % self.cfg.verify_sync == 0)
@@ -4403,6 +5189,7 @@ class SideWork:
 
     def after_update(self, step: int, model: Replicas, named_params: list, optimizer: torch.optim.Optimizer) -> None:
         self.mark("optimizer")
+        self.stats.counting = False
         if self.verifying(step):
             state = model.replicated(named_params, optimizer)
             verify_replicas_agree(self.d, step, "after the optimizer step", state)
@@ -4495,8 +5282,26 @@ def raise_non_finite(d: Dist, step: int, loss: float, grad_norm: float, local_lo
 
 
 # ----------------------------------------------------------------------------------------------
-# 15. Evaluate and report: held-out loss, progress, metrics, MFU, the loss plot, the memory table, summary
+# 16. Evaluate and report: held-out loss, progress, metrics, MFU, the loss plot, the memory table, summary
 # ----------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def generate_bytes(model: TinyTransformer, prompt: str, max_new: int, seed: int) -> str:
+    """Sample a continuation of the prompt until the end of the line (the model's own "\\n")."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([[NEWLINE, *prompt.encode("utf-8")]], device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = bytearray()
+    for _ in range(max_new):
+        logits = model(ids[:, -model.config.seq_len :])[0, -1].float()
+        probs = torch.softmax(logits / 0.8, dim=-1)  # temperature 0.8: a little sharper than raw
+        nxt = torch.multinomial(probs, 1, generator=gen)
+        if nxt.item() == NEWLINE:
+            break
+        out.append(int(nxt.item()))
+        ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+    return prompt + out.decode("utf-8", errors="replace")
 
 
 def say(message: str) -> None:
@@ -4511,8 +5316,8 @@ def log(d: Dist, message: str) -> None:
 
 
 def global_batch(cfg: RunConfig, d: Dist) -> int:
-    """Examples per optimizer step over all ranks: per-rank batch x ranks x micro-steps."""
-    return cfg.batch_size * d.world_size * cfg.grad_accum_steps
+    """Examples per optimizer step over all ranks: per-replica batch x replicas x micro-steps."""
+    return cfg.batch_size * d.dp * cfg.grad_accum_steps
 
 
 def announce_run(cfg: RunConfig, d: Dist, sampler: DistributedSampler, steps_per_epoch: int, precision: str,
@@ -4528,14 +5333,17 @@ def announce_run(cfg: RunConfig, d: Dist, sampler: DistributedSampler, steps_per
            f"precision {precision}")  # fmt: skip
     if cfg.sharding != "none" and not d.distributed:
         log(d, f"[run] --sharding {cfg.sharding}: one process holds the whole model, there is nothing to shard")
+    if cfg.tp * cfg.pp > 1 and not d.distributed:
+        log(d, f"[run] --tp {cfg.tp} --pp {cfg.pp}: one process computes the whole model, there is nothing to split")
     if cfg.inspect:
         print_in_rank_order(d, describe_shards(sampler) + model.ownership(named_params, optimizer))
 
 
-def sent_in_buckets(cfg: RunConfig, d: Dist, calls: int, nbytes: int) -> dict[str, int]:
-    """The step's all-reduce count and bytes, for the log and metrics. Under --sharding full no
-    bucket is all-reduced: the weights are gathered, the gradients scattered."""
-    return {} if cfg.sharding == "full" and d.distributed else {"allreduce_calls": calls, "allreduce_bytes": nbytes}
+def sent_in_buckets(model: Replicas, calls: int, nbytes: int) -> dict[str, int]:
+    """The step's all-reduce count and bytes, for the log and metrics, where gradients travel in DDP's
+    buckets. Under --sharding full the weights are gathered and the gradients scattered; a model split
+    over every rank, with no replica to average with, sends none."""
+    return {"allreduce_calls": calls, "allreduce_bytes": nbytes} if model.all_reduces_buckets else {}
 
 
 def evaluation_due(cfg: RunConfig, kit: ModelKit, step: int) -> bool:
@@ -4557,21 +5365,22 @@ def evaluate(cfg: RunConfig, d: Dist, kit: ModelKit, model: Replicas, precision:
     raw.eval()
     loss_sum = tokens = nbytes = 0.0
     # With fewer held-out examples than ranks, some ranks hold none: they add zeros to the sums.
-    mine = torch.arange(d.rank, len(val), d.world_size)
+    mine = torch.arange(d.dp_rank, len(val), d.dp)  # a replica's ranks (slices, stages) share its examples
     batches = [[val[i] for i in chunk.tolist()] for chunk in mine.split(cfg.batch_size)] if len(mine) else []
     if model.gathers_in_forward:  # rank 0 holds the most batches; the others join its gathers
-        batches += [[val[0]]] * (math.ceil(math.ceil(len(val) / d.world_size) / cfg.batch_size) - len(batches))
+        batches += [[val[0]]] * (math.ceil(math.ceil(len(val) / d.dp) / cfg.batch_size) - len(batches))
     for i, batch in enumerate(batches):
         inputs, targets, *positions = (t.to(d.device) for t in trim_padding(batch))
-        with autocast_for(precision, d):
-            loss = kit.loss(raw, inputs, targets, *positions).item()
+        with autocast_for(precision, d.device):
+            loss = model.eval_loss(kit, (inputs, targets, *positions)).item()
         if i * cfg.batch_size < len(mine):  # a batch of this rank's own, not one that only joins in
             loss_sum += loss
             tokens += int((targets != IGNORE_INDEX).sum())
             nbytes += int(val.target_bytes[mine[i * cfg.batch_size : (i + 1) * cfg.batch_size]].sum())
     model.after_evaluation()
     raw.train()
-    loss_sum, tokens, nbytes = all_reduce_sum(d, [loss_sum, tokens, nbytes])
+    share = model.split.loss_share  # one rank of each replica counts its examples
+    loss_sum, tokens, nbytes = all_reduce_sum(d, [loss_sum * share, tokens * share, nbytes * share])
     loss = loss_sum / tokens
     # Perplexity is per token, so it depends on the tokenizer; bits per byte does not, and
     # compares the byte-level model with Qwen on the same text.
@@ -4756,14 +5565,17 @@ def loss_figure(plt: object, cfg: RunConfig, history: list[dict[str, float]]) ->
 def predict_memory(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
     """Bytes per rank by the ZeRO arithmetic (Rajbhandari et al. 2019, padding aside), for this
     run's dtypes: weights and gradients at the weights' dtype, AdamW two moments of the same."""
-    n = d.world_size if d.distributed else 1
-    params = list(kit.trained.parameters())
+    n = d.dp if d.distributed else 1  # sharding is along the replicas
+    # A pipeline stage holds its own blocks (its part is cut out later); tensor parallelism has cut its slices already.
+    layers = len(kit.blocks)
+    params = [p for name, p in kit.trained.named_parameters() if d.pp == 1 or stage_of(name, layers, d.pp) == d.pp_rank]
+    size = {id(p): local_part(p).numel() * p.element_size() for p in params}  # of a DTensor: this rank's part
     trainable = [p for p in params if p.requires_grad]
     moments = 2 if cfg.optimizer == "adamw" else 0  # plain SGD keeps no state
     whole = {
-        "parameters": sum(p.numel() * p.element_size() for p in params),
-        "gradients": sum(p.numel() * p.element_size() for p in trainable),
-        "optimizer_state": moments * sum(p.numel() * p.element_size() for p in trainable),
+        "parameters": sum(size[id(p)] for p in params),
+        "gradients": sum(size[id(p)] for p in trainable),
+        "optimizer_state": moments * sum(size[id(p)] for p in trainable),
     }
     split = {"none": (), "optimizer": ("optimizer_state",), "full": tuple(whole)}[cfg.sharding if n > 1 else "none"]
     units = [*kit.blocks, kit.trained]
@@ -4809,6 +5621,7 @@ def measure_memory(
         "optimizer_state": storage_bytes(t for s in state for t in s.values() if torch.is_tensor(t)),
         "peak": rss if cuda is None else cuda,  # the peak CUDA allocation on a GPU, else the peak resident set
         "peak_rss": rss,
+        "holds": model.split.holdings(),
         **predicted,
     }
     ranks = [mine]
@@ -4823,7 +5636,8 @@ def describe_memory(cfg: RunConfig, d: Dist, ranks: list[dict]) -> str:
     strategy = cfg.sharding if d.distributed else "none (one process)"
     lines = [
         f"[memory] per rank, MiB, measured (predicted by the ZeRO arithmetic for --sharding {strategy}, "
-        f"N={d.world_size}; weights, gradients and moments in the weights' dtype, no padding):",
+        f"N={d.dp}{' replicas of the split model' if d.tp * d.pp > 1 else ''}; weights, gradients and moments in "
+        "the weights' dtype, no padding):",
         f"  rank  {'parameters':>18}  {'gradients':>18}  {'optimizer state':>18}  {'state vs predicted':>18}  "
         f"{'largest unit':>12}  {'peak ' + ('CUDA' if d.device.type == 'cuda' else 'RSS'):>10}",
     ]
@@ -4833,11 +5647,23 @@ def describe_memory(cfg: RunConfig, d: Dist, ranks: list[dict]) -> str:
         off = f"{100 * (measured - predicted) / predicted:+.1f}%" if predicted else "-"
         lines.append(f"  {r['rank']:>4}  {cells[0]:>18}  {cells[1]:>18}  {cells[2]:>18}  {off:>18}  "
                      f"{mib(r['largest_unit']) if r['largest_unit'] else '-':>12}  {mib(r['peak']):>10}")  # fmt: skip
+    if d.tp * d.pp > 1:  # model splitting: what each rank holds of its replica's model
+        lines += [f"  rank {r['rank']} holds {r['holds']}" for r in ranks]
     return "\n".join(lines)
 
 
 def mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:,.2f}"
+
+
+def describe_traffic(cfg: RunConfig, traffic: dict[str, tuple[float, float]]) -> str:
+    """What rank 0's collectives moved per optimizer step, by kind (calls, MiB)."""
+    shown = "; ".join(f"{kind} {calls:g} call(s), {mib(nbytes)} MiB" for kind, (calls, nbytes) in traffic.items())
+    unseen = [what for what, on in (("fully_shard", cfg.sharding == "full"), ("ZeroRedundancyOptimizer",
+              cfg.sharding == "optimizer"), ("tensor parallelism", cfg.tp > 1), ("pipelining", cfg.pp > 1))
+              if on and cfg.ddp == "torch"]  # fmt: skip
+    unseen_note = f" (and torch's {' and '.join(unseen)}, whose collectives it does not see)" if unseen else ""
+    return f"rank 0, per step: {shown or 'nothing'}{unseen_note}"
 
 
 def print_summary(cfg: RunConfig, d: Dist, result: TrainResult, wall_seconds: float, outputs: list[Path]) -> None:
@@ -4851,7 +5677,6 @@ def print_summary(cfg: RunConfig, d: Dist, result: TrainResult, wall_seconds: fl
     cuda = d.device.type == "cuda"
     peaks = "; ".join(f"rank {r['rank']}: {r['peak_rss'] / 2**20:,.0f} MiB RSS"
                       + (f", {r['peak'] / 2**30:.2f} GiB CUDA" if cuda else "") for r in memory)  # fmt: skip
-    sharded_trace = result.trace and any(name == "all-gather" for name, *_ in result.trace[0])
     rows = [
         ("steps", f"{result.progress.step:,} x global batch {global_batch(cfg, d)}"),
         ("tokens seen", f"{result.progress.tokens_seen:,} (real, non-padding)"),
@@ -4860,11 +5685,8 @@ def print_summary(cfg: RunConfig, d: Dist, result: TrainResult, wall_seconds: fl
         ("train loss", train_loss),
         ("val loss", f"{last_val['val_loss']:.4f} at step {last_val['step']}" if last_val else "- (no held-out lines)"),
         ("peak memory", peaks),
-        *(
-            [("communication" if sharded_trace else "all-reduce", describe_overlap(result.trace))]
-            if result.trace
-            else []
-        ),
+        ("collectives", describe_traffic(cfg, result.traffic)),
+        *([describe_trace(cfg, result.trace)] if result.trace else []),
         ("outputs", ", ".join(str(p) for p in outputs)),
     ]
     width = max(len(k) for k, _ in rows)
@@ -4872,8 +5694,33 @@ def print_summary(cfg: RunConfig, d: Dist, result: TrainResult, wall_seconds: fl
 
 
 # ----------------------------------------------------------------------------------------------
-# 16. Save: rank 0 writes while the others wait for it; locks, checkpoints and resume, stop markers
+# 17. Save: rank 0 writes while the others wait for it; locks, checkpoints and resume, stop markers
 # ----------------------------------------------------------------------------------------------
+
+
+def load_tiny_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> TinyTransformer:
+    """Rebuild the trained tiny model from its checkpoint file alone."""
+    ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    model = TinyTransformer(TinyConfig(**ckpt["config"]))
+    model.load_state_dict(ckpt["model"])
+    return model.eval()
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    inner = getattr(optimizer, "optim", optimizer)
+    # A saved group carries how the saving run stepped (fused or a per-tensor loop): this run keeps its own.
+    kept = [[{k: g[k] for k in ("fused", "foreach") if k in g} for g in o.param_groups] for o in (optimizer, inner)]
+    optimizer.load_state_dict(state)  # ShardedOptimizer and ZeroRedundancyOptimizer keep their own share
+    for o, groups in zip((optimizer, inner), kept, strict=True):
+        for group, own in zip(o.param_groups, groups, strict=True):
+            group.update(own)
+    # torch's ZeroRedundancyOptimizer moves every 0-d state tensor (Adam's step) to the CPU as it
+    # loads (torch 2.13), and the fused and capturable kernels refuse a step that is not on its
+    # parameter's device (pytorch#124133): put it where a step() would have kept it.
+    if inner.defaults.get("fused") or inner.defaults.get("capturable"):
+        for p, s in inner.state.items():
+            if torch.is_tensor(s.get("step")):
+                s["step"] = s["step"].to(p.device, torch.float32)
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -5119,8 +5966,9 @@ MAY_CHANGE_ON_RESUME = ("max_steps",)
 # How the global batch is split may change on resume, the global batch itself may not. Rank r
 # of W takes every W-th example, so every split of the same global batch trains each step on
 # the same examples (tests/test_gradients.py): 2 ranks x 4 continue as 1 rank x 8, as a
-# checkpoint from any --sharding continues under any other.
-BATCH_SPLIT = ("world_size", "batch_size", "grad_accum_steps")
+# checkpoint from any --sharding, --tp or --pp continues under any other (replicas, not ranks,
+# split the data: the ranks of a split model share one replica's batch).
+BATCH_SPLIT = ("world_size", "tp", "pp", "batch_size", "grad_accum_steps")
 
 
 def may_change(key: str, saved: dict, settings: dict) -> bool:
@@ -5134,7 +5982,11 @@ def may_change(key: str, saved: dict, settings: dict) -> bool:
 
 
 def global_batch_of(settings: dict) -> int | None:
-    return math.prod(settings[k] for k in BATCH_SPLIT) if all(k in settings for k in BATCH_SPLIT) else None
+    """Replicas x batch x micro-steps: the ranks of a split model (--tp x --pp) share one replica's batch."""
+    split = {"tp": 1, "pp": 1} | settings  # written before model splitting: one rank a replica
+    if not all(k in split for k in BATCH_SPLIT):
+        return None
+    return split["world_size"] // (split["tp"] * split["pp"]) * split["batch_size"] * split["grad_accum_steps"]
 
 
 def run_settings(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
@@ -5151,7 +6003,7 @@ def run_settings(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
     """
     model = ("d_model", "n_heads", "n_layers", "dropout") if cfg.model == "tiny" else (
         "model_name_or_path", "finetune", "lora_r", "lora_alpha", "lora_dropout", "attn_implementation")  # fmt: skip
-    taken = ("model", "batch_size", "grad_accum_steps", "seq_len", "seed", "optimizer", "lr", "min_lr",
+    taken = ("model", "tp", "pp", "batch_size", "grad_accum_steps", "seq_len", "seed", "optimizer", "lr", "min_lr",
              "warmup_steps", "weight_decay", "grad_clip", "loss_normalization", "max_steps", "grad_compression",
              "ddp", *model)  # fmt: skip
     settings = {k: getattr(cfg, k) for k in taken} | {
@@ -5474,7 +6326,7 @@ def resume_training(
 
 
 # ----------------------------------------------------------------------------------------------
-# 17. Main: launch -> connect -> shard -> train -> sync -> save -> sample
+# 18. Main: launch -> connect -> shard -> train -> sync -> save -> sample
 # ----------------------------------------------------------------------------------------------
 
 
@@ -5496,14 +6348,15 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
     if cfg.show_examples:
         show_examples(cfg, d, first_records(cfg, cfg.show_examples))
         return
-    # The corpus as tokens, built into the token cache once; batches read their rows from it (section 10).
+    # The corpus as tokens, built into the token cache once; batches read their rows from it (section 11).
     corpus = open_corpus(cfg, d, resolve_model_files(cfg, d) if cfg.model == "hf" else None)
     val = held_out(len(corpus), cfg.val_fraction, cfg.seed)
     build_kit = build_pretrained_kit if cfg.model == "hf" else build_tiny_kit
     kit = build_kit(cfg, d, corpus.subset(~val), corpus.subset(val))
     # Initialisation used --seed alone: the replicas start identical. Dropout must not: W ranks
     # dropping the same units of their different examples is not one process with a W-times batch.
-    torch.manual_seed(cfg.seed + d.rank)
+    # A tensor-parallel group's ranks compute one replica's activations together: one seed for them.
+    torch.manual_seed(cfg.seed + d.rank // d.tp)
     log(
         d,
         f"[data] {cfg.dataset or cfg.corpus_file}: {len(val) - val.sum()} training {describe_records(corpus.fmt)} -> "
@@ -5586,7 +6439,7 @@ def steps_for_epochs(cfg: RunConfig, d: Dist, kit: ModelKit) -> RunConfig:
     if not cfg.epochs:
         return cfg
     # What the loader will give: the sampler's drop_last shard, whole batches, whole steps.
-    per_epoch = len(kit.train) // d.world_size // cfg.batch_size // cfg.grad_accum_steps
+    per_epoch = len(kit.train) // d.dp // cfg.batch_size // cfg.grad_accum_steps
     steps = min(cfg.max_steps or math.inf, cfg.epochs * per_epoch)
     capped = f", capped by --max-steps {cfg.max_steps}" if steps < cfg.epochs * per_epoch else ""
     log(d, f"[run] --epochs {cfg.epochs} x {per_epoch} steps per epoch = {steps} steps{capped}")

@@ -152,3 +152,11 @@ def tiny_qwen(tmp_path_factory, corpus_lines) -> Path:
     from tiny_qwen import build_tiny_qwen
 
     return build_tiny_qwen(tmp_path_factory.mktemp("tiny_qwen"), corpus_lines)
+
+
+def split_lines(lines: list, val_fraction: float, seed: int) -> tuple[list, list]:
+    """The script's held_out split applied to a list of lines or records: (training, held out), as a run splits them."""
+    import llm_ddp_parallel_training as t
+
+    val = t.held_out(len(lines), val_fraction, seed)
+    return [x for x, v in zip(lines, val, strict=True) if not v], [x for x, v in zip(lines, val, strict=True) if v]

@@ -31,12 +31,12 @@ def first_line(text: str) -> int:
 
 def test_the_docstring_map_names_every_section_banner_in_order():
     assert docstring_map() == section_banners()
-    assert [int(number) for number, _ in section_banners()] == list(range(1, 18))
+    assert [int(number) for number, _ in section_banners()] == list(range(1, 19))
 
 
 def test_every_ddp_mechanism_and_the_whole_training_loop_come_within_the_first_1300_lines():
-    mechanisms = ["dist.init_process_group(", "DistributedSampler(", "DDP(", "class ManualDDP", "model.no_sync()",
-                  "dist.all_reduce(loss_sum)", "def train("]  # fmt: skip
+    mechanisms = ["dist.init_process_group(", "DistributedSampler(", "DDP(", "class ManualDDP",
+                  "with self.no_sync() if i <", "dist.all_reduce(loss_sum)", "def train("]  # fmt: skip
     where = {text: first_line(text) for text in mechanisms}
     assert all(line <= TEACHING_CORE_LINES for line in where.values()), where
     train = next(n for n in ast.parse(SOURCE).body if isinstance(n, ast.FunctionDef) and n.name == "train")
@@ -47,7 +47,16 @@ def test_every_ddp_mechanism_and_the_whole_training_loop_come_within_the_first_1
 def test_one_banner_separates_the_teaching_core_from_the_production_machinery():
     stops = [i for i, line in enumerate(LINES, 1) if "A reader who came for DDP may stop here" in line]
     assert len(stops) == 1
-    assert first_line("# 7. Sharding:") < stops[0] < first_line("# 8. Command line:")
+    assert first_line("# 8. Model splitting:") < stops[0] < first_line("# 9. Command line:")
+
+
+def test_the_from_scratch_model_splits_join_the_teaching_core_after_sharding_each_short():
+    classes = {n.name: n for n in ast.parse(SOURCE).body if isinstance(n, ast.ClassDef)}
+    assert first_line("# 7. Sharding:") < first_line("# 8. Model splitting:")
+    for name in ["ColumnParallelLinear", "RowParallelLinear", "TensorParallel", "Pipeline"]:
+        node = classes[name]
+        assert first_line("# 8. Model splitting:") < node.lineno < first_line("A reader who came for DDP may stop here")
+        assert node.end_lineno - node.lineno + 1 <= 150, name
 
 
 def test_main_comes_last_and_still_records_a_ranks_uncaught_error_for_torchrun():
@@ -61,7 +70,7 @@ def test_the_readmes_reading_path_names_functions_in_the_sections_it_gives():
     readme = (SCRIPT.parent / "README.md").read_text(encoding="utf-8")
     path = readme.split("### Read the code", 1)[1].split("\n\n", 2)[2]
     steps = re.findall(r"^\d+\. \*\*(.+?)\*\* \(section (\d+)\)", path, re.M)
-    assert len(steps) == 7
+    assert len(steps) == 8
     starts = {int(n): first_line(f"# {n}. {name}:") for n, name in section_banners()}
     defined = {n.name: n.lineno for n in ast.parse(SOURCE).body if hasattr(n, "name")}
     for names, section in steps:

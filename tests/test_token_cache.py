@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, TINY, assert_ok, child_env, run_cmd, torchrun_cmd
+from conftest import REPO, TINY, assert_ok, child_env, run_cmd, split_lines, torchrun_cmd
 from shared_launch import Shared, assert_one_clear_error, share
 
 import llm_ddp_parallel_training as t
@@ -228,7 +228,7 @@ def test_byte_examples_are_the_ones_built_in_memory_before_the_cache(corpus_line
     val_idx = t.held_out(len(corpus_lines), 0.1, seed=1337)
     train_idx = ~val_idx
     corpus = t.Lines.from_texts(corpus_lines)
-    train_lines, val_lines = t.split_lines(corpus_lines, 0.1, seed=1337)
+    train_lines, val_lines = split_lines(corpus_lines, 0.1, seed=1337)
     val = t.ByteWindows(corpus.subset(val_idx), 64, pack)
     inputs, targets = reference_byte_examples(val_lines, 64, pack)
     assert torch.equal(val.inputs, inputs) and torch.equal(val.targets, targets)

@@ -37,7 +37,7 @@ def run_job(args: list[str], d: t.Dist) -> int:
     cfg = None
     try:
         cfg = t.parse_args(args)
-        t.run(cfg, d, time.perf_counter())
+        t.run(cfg, t.laid_out(d, cfg), time.perf_counter())  # a split model lays the ranks out its own way
         return 0
     except SystemExit as e:  # a clean stop, or a restart that stays stopped
         return e.code if isinstance(e.code, int) else 1
