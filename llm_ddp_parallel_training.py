@@ -1150,7 +1150,9 @@ def make_optimizer(cfg: RunConfig, d: Dist, params: list[nn.Parameter], stats: C
         options |= {"fused": True} if d.tp == 1 else {"fused": False, "foreach": False}
     if cfg.sharding == "optimizer" and d.distributed:
         if cfg.ddp == "manual":
-            return ShardedOptimizer(params, kind, stats=stats, **options)
+            optimizer = ShardedOptimizer(params, kind, **options)
+            optimizer.stats = stats  # its broadcasts of updated weights count among the run's collectives
+            return optimizer
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(params, optimizer_class=kind, **options)
@@ -1319,11 +1321,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     3. Each parameter is broadcast from its owner: every rank again holds the same weights.
     """
 
-    def __init__(
-        self, params: Iterator[nn.Parameter], optimizer_class: type, stats: CommStats | None = None, **defaults: object
-    ) -> None:
+    stats: CommStats | None = None  # the run's count of collectives (set by the script; None in one of your own)
+
+    def __init__(self, params: Iterator[nn.Parameter], optimizer_class: type, **defaults: object) -> None:
         super().__init__(params, defaults)
-        self.rank, world, self.stats = dist.get_rank(), dist.get_world_size(), stats  # stats: the run's count
+        self.rank, world = dist.get_rank(), dist.get_world_size()
         trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         load = [0] * world
         self.owner: dict[nn.Parameter, int] = {}
