@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "llm_ddp_parallel_training.py"
@@ -160,3 +161,26 @@ def split_lines(lines: list, val_fraction: float, seed: int) -> tuple[list, list
 
     val = t.held_out(len(lines), val_fraction, seed)
     return [x for x, v in zip(lines, val, strict=True) if not v], [x for x, v in zip(lines, val, strict=True) if v]
+
+
+# The tiny model's final weights, compared between runs.
+Weights = dict[str, torch.Tensor]
+
+
+def weights(out: Path) -> Weights:
+    return torch.load(out / "tiny_transformer.pt", weights_only=True)["model"]
+
+
+def checkpoint(out: Path, step: int) -> Path:
+    return out / "checkpoints" / f"step_{step:08d}"
+
+
+def max_difference(a: Weights, b: Weights) -> float:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def assert_bitwise_equal(a: Weights, b: Weights, what: str = "against the uninterrupted run") -> None:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, f"{what}: {differ} differ, max |dweight| = {max_difference(a, b):.3g}"

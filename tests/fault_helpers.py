@@ -11,7 +11,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
 from conftest import TINY, child_env
 
 RUN = [
@@ -29,16 +28,6 @@ RUN = [
     "--log-every",
     "10",
 ]
-
-
-def weights(out) -> dict[str, torch.Tensor]:
-    return torch.load(out / "tiny_transformer.pt", weights_only=True)["model"]
-
-
-def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    differ = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not differ, f"weights differ from the uninterrupted run: {differ}"
 
 
 def signal_at_step(cmd: list[str], step: int, send: Callable[[int], None]) -> tuple[int, str, float]:

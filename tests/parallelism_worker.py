@@ -57,8 +57,9 @@ def batches(step: int, count: int = 2, rows: int = 2) -> list[tuple[torch.Tensor
             for _ in range(count)]  # fmt: skip
 
 
-def one_process_step(model: nn.Module, micro: list[tuple]) -> None:
-    """The reference: the micro-batches accumulated, the mean over every token, one SGD step."""
+def sgd_step(model: nn.Module, micro: list[tuple]) -> None:
+    """The micro-batches accumulated, the mean over every token, one SGD step (of one process, or of a
+    tensor-parallel model, whose slices every rank updates alike)."""
     tokens = sum(int((y != t.IGNORE_INDEX).sum()) for _, y in micro)
     for x, y in micro:
         (float64_loss(model(x), y) / tokens).backward()
@@ -85,14 +86,8 @@ def tensor_parallel_float64(args: list[str], d: t.Dist) -> int:
         split = t.TensorParallel(model, split_d, manual=kind == "manual")
         for step in range(STEPS):
             micro = batches(step)
-            one_process_step(reference, micro)
-            tokens = sum(int((y != t.IGNORE_INDEX).sum()) for _, y in micro)
-            for x, y in micro:
-                (float64_loss(model(x), y) / tokens).backward()
-            with torch.no_grad():
-                for p in model.parameters():
-                    p -= LR * p.grad
-                    p.grad = None
+            sgd_step(reference, micro)
+            sgd_step(model, micro)  # the same step on the split model: each rank updates its slices
         whole = {n: split.whole(n, p) for n, p in model.named_parameters()}
         facts[f"tiny {kind}"] = max_gap(d, whole, reference)
         facts[f"tiny {kind} keys"] = sorted(whole) == sorted(n for n, _ in reference.named_parameters())
@@ -153,7 +148,7 @@ def pipeline_float64(args: list[str], d: t.Dist) -> int:
                     micro = t.MicroStep(kit, "fp32", None, QuietSide(), split_d.device)
                     for step in range(STEPS):
                         micro_batches = batches(step)
-                        one_process_step(reference, micro_batches)
+                        sgd_step(reference, micro_batches)
                         tokens = sum(int((y != t.IGNORE_INDEX).sum()) for _, y in micro_batches)
                         pipe.forward_backward(micro_batches, [1.0 / tokens] * len(micro_batches), micro)
                         with torch.no_grad():

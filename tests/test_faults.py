@@ -23,8 +23,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import SCRIPT, TINY, assert_ok, launch, run_jobs
-from fault_helpers import RUN, assert_bitwise_equal, weights
+from conftest import SCRIPT, TINY, assert_bitwise_equal, assert_ok, launch, run_jobs, weights
+from fault_helpers import RUN
 
 
 def damage(folder) -> None:

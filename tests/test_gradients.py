@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, Run, assert_ok, run_jobs
+from conftest import TINY, Run, assert_ok, max_difference, run_jobs
 from probe_worker import run_jobs_with_probes
 
 import llm_ddp_parallel_training as t
@@ -123,10 +123,6 @@ def runs(launched) -> dict[str, tuple[Run, dict[str, torch.Tensor]]]:
 @pytest.fixture(scope="module")
 def trained(runs) -> dict[str, dict[str, torch.Tensor]]:
     return {name: weights for name, (_, weights) in runs.items()}
-
-
-def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 @pytest.mark.parametrize("other", ["1 rank x 8", "1 rank x 4 x accumulation 2", "2 ranks x 2 x accumulation 2"])

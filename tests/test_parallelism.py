@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, Run, assert_ok
+from conftest import TINY, Run, assert_bitwise_equal, assert_ok, checkpoint, max_difference, weights
 from in_process import run_main
 from parallelism_worker import probe_facts, run_jobs
 
@@ -54,26 +54,6 @@ TWO_RANK_LAYOUTS = {
 # 4 ranks, 2 replicas of a model split in 2. (--tp 2 --sharding full has no from-scratch twin: refused.)
 FOUR_RANK_LAYOUTS = {"pp x ddp": ["--pp", "2"], "tp x ddp": ["--tp", "2"]}
 HAS_PEFT = importlib.util.find_spec("peft") is not None
-Weights = dict[str, torch.Tensor]
-
-
-def weights(out: Path) -> Weights:
-    return torch.load(out / "tiny_transformer.pt", weights_only=True)["model"]
-
-
-def checkpoint(out: Path, step: int) -> Path:
-    return out / "checkpoints" / f"step_{step:08d}"
-
-
-def max_difference(a: Weights, b: Weights) -> float:
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
-def assert_bitwise_equal(a: Weights, b: Weights, what: str) -> None:
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
-    differ = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not differ, f"{what}: {differ} differ, max |dweight| = {max_difference(a, b):.3g}"
 
 
 def ddp(which: str) -> list[str]:

@@ -14,8 +14,7 @@ own); each kill and restart is a launch of its own, with a hard timeout.
 from __future__ import annotations
 
 import pytest
-from conftest import TINY, assert_ok, run_cmd, run_jobs, torchrun_cmd
-from fault_helpers import assert_bitwise_equal, weights
+from conftest import TINY, assert_bitwise_equal, assert_ok, run_cmd, run_jobs, torchrun_cmd, weights
 
 RUN = [*TINY, "--n-layers", "2", "--batch-size", "2", "--grad-accum-steps", "2", "--dropout", "0.1",
        "--max-steps", "12", "--save-every", "4", "--log-every", "2"]  # fmt: skip

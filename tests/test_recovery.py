@@ -13,8 +13,8 @@ import shutil
 import signal
 
 import pytest
-from conftest import assert_ok, launch, run_cmd, torchrun_cmd
-from fault_helpers import RUN, assert_bitwise_equal, signal_at_step, weights
+from conftest import assert_bitwise_equal, assert_ok, launch, run_cmd, torchrun_cmd, weights
+from fault_helpers import RUN, signal_at_step
 
 
 @pytest.fixture(scope="module")

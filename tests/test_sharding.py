@@ -25,12 +25,24 @@ import importlib.util
 import os
 import re
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, Run, assert_ok, child_env, launch, run_cmd, run_jobs, torchrun_cmd
+from conftest import (
+    TINY,
+    Run,
+    assert_bitwise_equal,
+    assert_ok,
+    checkpoint,
+    launch,
+    max_difference,
+    run_cmd,
+    run_jobs,
+    torchrun_cmd,
+    weights,
+)
+from fault_helpers import signal_at_step
 
 REFERENCE = ("none", "torch")
 SHARDED = [("optimizer", "torch"), ("optimizer", "manual"), ("full", "torch"), ("full", "manual")]
@@ -45,26 +57,6 @@ ADAMW = [*TINY, "--dropout", "0.1", "--batch-size", "2", "--grad-accum-steps", "
          "--max-steps", "20", "--save-every", "5", "--keep-last", "4", "--log-every", "1"]  # fmt: skip
 CLIP = 0.5
 CLIPPED = [*TINY, "--grad-clip", str(CLIP), "--max-steps", "5", "--log-every", "1"]
-
-Weights = dict[str, torch.Tensor]
-
-
-def weights(out: Path) -> Weights:
-    return torch.load(out / "tiny_transformer.pt", weights_only=True)["model"]
-
-
-def checkpoint(out: Path, step: int) -> Path:
-    return out / "checkpoints" / f"step_{step:08d}"
-
-
-def max_difference(a: Weights, b: Weights) -> float:
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
-def assert_bitwise_equal(a: Weights, b: Weights, what: str) -> None:
-    assert a.keys() == b.keys()
-    differ = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not differ, f"{what}: {differ} differ, max |dparam| = {max_difference(a, b):.3g}"
 
 
 def two_ranks(args: list[str], timeout: float = 120) -> Run:
@@ -297,29 +289,11 @@ def test_full_sharding_resumes_bit_exactly_after_a_killed_worker(adamw_runs, tmp
     assert_bitwise_equal(weights(adamw_runs["full", "manual"]), weights(tmp_path), "killed at 13, resumed from 10")
 
 
-def sigterm_at_step(cmd: list[str], step: int) -> tuple[int, str]:
-    """Start torchrun, SIGTERM it once it logs `step`, and collect the rest: (exit code, output)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
-                            start_new_session=True)  # fmt: skip
-    try:
-        seen = []
-        for line in proc.stdout:
-            seen.append(line)
-            if line.startswith(f"step {step:>5}/"):
-                break
-        os.kill(proc.pid, signal.SIGTERM)
-        output = "".join(seen) + proc.communicate(timeout=90)[0]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    return proc.returncode, output
-
-
 def test_optimizer_sharding_stops_on_sigterm_with_a_checkpoint_and_the_same_command_finishes_bit_exactly(
     adamw_runs, tmp_path
 ):
     args = [*ADAMW, *sharded("optimizer", "manual"), "--output-dir", str(tmp_path)]
-    returncode, output = sigterm_at_step(torchrun_cmd(2, args), 3)
+    returncode, output, _ = signal_at_step(torchrun_cmd(2, args), 3, lambda pid: os.kill(pid, signal.SIGTERM))
     assert returncode != 0
     assert "[stop] SIGTERM: every rank stopped after step" in output, output
     stopped_at = int(output.split("stopped after step ")[1].split(";")[0])
