@@ -276,6 +276,8 @@ class RunConfig:
     val_fraction: float = flag(0.1, "share of lines held out for validation", "validation and reporting",
                                type=PROBABILITY)  # fmt: skip
     eval_every: int = flag(100, "steps between evaluations (0: at the end)", type=COUNT)
+    eval_examples: int = flag(1000, "held-out examples an evaluation reads, spread evenly over the held-out set, "
+                              "the same ones each time (0: every one, exact however large)", type=COUNT)  # fmt: skip
     progress: str = flag("auto", "auto: a bar on a terminal, else log lines", choices=["auto", "bar", "plain"])
     log_every: int = flag(25, "steps between log lines", type=POSITIVE)
     metrics_file: Path | None = flag(None, "append one JSON object per logged step", type=Path)
@@ -893,9 +895,23 @@ class Replicas:
 
 
 class TorchDDP(DDP, Replicas):
-    """torch's DistributedDataParallel, answering as every replicated model does."""
+    """torch's DistributedDataParallel, answering as every replicated model does, in one layout.
+
+    Left alone, torch 2.13's reducer sends step 1 as one bucket in registration order, then rebuilds
+    it in the order gradients arrived. At 3+ ranks Gloo's ring adds each number in an order set by
+    its place in the buffer: a rebuild, or a DDP built afresh on resume, changes the last bits.
+    Looking for unused parameters, the reducer never rebuilds and buckets as ManualDDP plans, for a
+    walk of the autograd graph and a small all-reduce of a used-parameter map a step."""
 
     split: WholeModel | None = None  # set by wrap_model
+    searched = False  # has a synced forward looked for unused parameters yet
+
+    def forward(self, *inputs: object, **kwargs: object) -> object:
+        if self.searched or not (self.require_backward_grad_sync and torch.is_grad_enabled()):
+            return super().forward(*inputs, **kwargs)
+        self.searched = True  # the first search warns, once a process, that it found none: expected here
+        with without_stderr_lines("find_unused_parameters=True was specified"):
+            return super().forward(*inputs, **kwargs)
 
 
 class Wrapper(Replicas, nn.Module):
@@ -934,6 +950,7 @@ def wrap_data_parallel(model: nn.Module, cfg: RunConfig, d: Dist, stats: CommSta
         process_group=d.group("dp"),  # under model splitting: the replicas of this rank's slice
         device_ids=[d.device.index] if d.device.type == "cuda" else None,
         bucket_cap_mb=cfg.bucket_mb,
+        find_unused_parameters=True,  # one bucket layout for the whole run, ManualDDP's: see TorchDDP
         # After the first backward .grad *is* a view into its bucket: backward accumulates into
         # the bucket and the averaged result needs no copy back out. (This holds only while the
         # .grad tensors live on: the loop zeroes them in place rather than setting them to None.)
@@ -987,14 +1004,12 @@ class ManualDDP(Wrapper):
     """Data parallelism from scratch: what torch's DDP does for us, in plain Python.
 
     1. Start equal: broadcast rank 0's parameters and buffers to every rank.
-    2. Plan buckets: trainable parameters in *reverse* registration order (backward produces
-       gradients roughly from the last layer to the first), grouped until a bucket holds
-       bucket_mb of gradients.
+    2. Plan buckets as torch's DDP does (TorchDDP): parameters in registration order, a bucket
+       closed at bucket_mb, the last bucket first (backward starts from the last layer).
     3. During backward, a hook on each parameter copies its finished gradient into its bucket;
-       when a bucket's last gradient arrives, its all-reduce starts asynchronously, so
-       communication overlaps the rest of backward.
-    4. finish_gradient_sync(): wait for every bucket, divide the sums by the world size, copy
-       the averages back into .grad. Now every rank holds the same gradient.
+       when a bucket's last gradient arrives, it is divided by the world size (a sum of averages
+       cannot overflow) and its all-reduce starts asynchronously, overlapping the rest of backward.
+    4. finish_gradient_sync(): wait for every bucket, copy the averages back into .grad.
     Under model splitting (section 8) the replicas are the ranks of the data-parallel group.
     """
 
@@ -1008,15 +1023,13 @@ class ManualDDP(Wrapper):
                 dist.broadcast(t, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
         self.buckets: list[Bucket] = []
         self.place: dict[nn.Parameter, tuple[Bucket, int]] = {}
-        cap = bucket_mb * 2**20
-        pending: list[nn.Parameter] = []
-        for p in reversed([p for p in module.parameters() if p.requires_grad]):
-            pending.append(p)
-            if sum(q.numel() * q.element_size() for q in pending) >= cap:
-                self._add_bucket(pending)
-                pending = []
-        if pending:
-            self._add_bucket(pending)
+        groups: list[list[nn.Parameter]] = [[]]
+        for p in (p for p in module.parameters() if p.requires_grad):
+            if sum(q.numel() * q.element_size() for q in groups[-1]) >= int(bucket_mb * 2**20):
+                groups.append([])
+            groups[-1].append(p)
+        for params in reversed(groups):
+            self._add_bucket(params)
         for p in self.place:
             # A post-accumulate hook runs once the gradient is fully summed into p.grad for this
             # backward. It receives the *parameter*, not the gradient: reading p.grad is right,
@@ -1045,6 +1058,7 @@ class ManualDDP(Wrapper):
                 bucket.flat[o : o + q.numel()].view_as(q) for q, o in zip(bucket.params, bucket.offsets, strict=True)
             ]
             bucket.wire = bucket.flat.to(torch.bfloat16) if self.stats.compress else bucket.flat
+            bucket.wire.div_(self.world_size)  # all_reduce sums; DDP's contract is the average
             nbytes = bucket.wire.numel() * bucket.wire.element_size()
             self.stats.record(bucket.index, nbytes, bucket.params, local)
             work = dist.all_reduce(bucket.wire, async_op=True, group=self.group)
@@ -1059,7 +1073,6 @@ class ManualDDP(Wrapper):
             bucket.arrival.wait()
             if bucket.wire is not bucket.flat:
                 bucket.flat.copy_(bucket.wire)
-            bucket.flat.div_(self.world_size)  # all_reduce summed; DDP's contract is the average
             for p, offset in zip(bucket.params, bucket.offsets, strict=True):
                 p.grad.copy_(bucket.flat[offset : offset + p.numel()].view_as(p))
             bucket.ready, bucket.arrival, bucket.wire = 0, None, None
@@ -1801,7 +1814,7 @@ class TorchFSDP(Wrapper):
         return ({n: weights[n] for n in names}, state) if d.is_main else ({}, {})
 
     def load_state(self, named_params: list, weights: dict, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
         by_name = renumber(state, dict(enumerate(n for n, _ in named_params)))
         if isinstance(self.split, TensorParallel):  # torch's q, k, v slices are taken from a rank-ordered whole
@@ -1811,6 +1824,9 @@ class TorchFSDP(Wrapper):
             by_name["state"] = {n: {k: order(v) if n in fused and torch.is_tensor(v) and v.dim() else v
                                     for k, v in s.items()} for n, s in by_name["state"].items()}  # fmt: skip
         options = StateDictOptions(full_state_dict=True, strict=False)  # LoRA: the adapters alone
+        if not state["state"]:  # plain SGD keeps none, and set_state_dict then finds no device to put it on
+            set_model_state_dict(self.named, weights, options=options)
+            return load_optimizer_state(optimizer, state)  # its groups: a plain optimizer's, by index
         set_state_dict(self.named, optimizer, model_state_dict=weights, optim_state_dict=by_name, options=options)
 
     def whole_state_dict(self, d: Dist, raw: nn.Module) -> dict | None:
@@ -2492,6 +2508,8 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
             "pretrained model (--model hf); "
             f"the tiny model would ignore {it}: add --model hf, or leave {it} out"
         )
+    if args.pp > 1 and "--grad-accum-steps" not in {word.split("=", 1)[0] for word in argv}:
+        args.grad_accum_steps = args.pp  # a pipeline's micro-batches: one per stage, or stages idle (announce_run)
     if args.max_steps is None:  # 0: no cap, for --epochs to decide (see steps_for_epochs)
         args.max_steps = 0 if args.epochs else 600
     if args.pack is None:  # byte windows cut anywhere; a pretrained model packs whole examples, kept apart, when asked
@@ -4585,6 +4603,9 @@ def cannot_split(cfg: RunConfig) -> str | None:
         return f"{flag} with --precision fp16: its loss scaler is not split with the model; use bf16 or fp32"
     if cfg.pp > 1 and cfg.inject_fault and cfg.inject_fault.kind == "desync":
         return "--inject-fault desync with --pp: no tensor is held by every rank, so no check could tell"
+    if cfg.pp > cfg.grad_accum_steps and cfg.ddp == "torch" and cfg.pp_schedule == "1f1b":
+        return (f"--pp {cfg.pp} --pp-schedule 1f1b --ddp torch needs a micro-batch per stage at least: "
+                f"--grad-accum-steps {cfg.grad_accum_steps} is fewer; give {cfg.pp}, or leave it out")  # fmt: skip
     if cfg.ddp == "torch" and (cfg.grad_compression != "none" or cfg.trace_steps):
         what = "--grad-compression" if cfg.grad_compression != "none" else "--trace-steps"
         return (f"{what} with {flag} --ddp torch: torch's split runs its collectives out of this script's "
@@ -5306,6 +5327,24 @@ def generate_bytes(model: TinyTransformer, prompt: str, max_new: int, seed: int)
     return prompt + out.decode("utf-8", errors="replace")
 
 
+@contextlib.contextmanager
+def without_stderr_lines(text: str) -> Iterator[None]:
+    """Run the block with file descriptor 2 caught (C++ writes there, past Python's warnings
+    filters), then write back every line but those holding text."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            os.write(2, b"".join(line for line in caught if text.encode() not in line))
+
+
 def say(message: str) -> None:
     """Print a line on stdout without breaking a progress bar drawn on stderr."""
     tqdm.write(message, file=sys.stdout)
@@ -5327,9 +5366,17 @@ def announce_run(cfg: RunConfig, d: Dist, sampler: DistributedSampler, steps_per
     """The run's shape, once, before the first step: the global batch, and how the gradients travel;
     with --inspect, each rank's shard of the data and of the training state."""
     k, batch = cfg.grad_accum_steps, global_batch(cfg, d)
-    log(d, f"[run] {d.world_size} rank(s) x {cfg.batch_size} examples x {k} micro-step(s) = global batch {batch}")
+    replicas = f"{d.dp} replica(s) of {d.tp * d.pp} rank(s)" if d.tp * d.pp > 1 else f"{d.world_size} rank(s)"
+    log(d, f"[run] {replicas} x {cfg.batch_size} examples x {k} micro-step(s) = global batch {batch}")
+    if d.tp > 1:
+        log(d, f"[run] --tp {d.tp}: each replica's {d.tp} ranks hold a slice of every weight and see the same batch")
+    if d.pp > 1:
+        log(d, f"[run] --pp {d.pp}: each replica's {d.pp} ranks hold a stage of blocks each; its {k} micro-batches "
+               f"a step fill the pipeline (--grad-accum-steps; one per stage when not given: fewer leave stages "
+               f"idle, and torch's 1F1B refuses them)")  # fmt: skip
     log(d, f"[run] up to {batch * cfg.seq_len:,} token positions per step (a batch is padded to its longest example)")
-    log(d, f"[run] {len(sampler)} examples per rank per epoch = {steps_per_epoch} steps per epoch")
+    each, steps = "replica" if d.tp * d.pp > 1 else "rank", "step" if steps_per_epoch == 1 else "steps"
+    log(d, f"[run] {len(sampler)} examples per {each} per epoch = {steps_per_epoch} {steps} per epoch")
     log(d, f"[run] gradient sync: {describe_gradient_sync(cfg, d)}; loss: {cfg.loss_normalization}; optimizer: "
            f"{cfg.optimizer}, lr {cfg.lr:g} (warmup {warmup_steps(cfg)}, cosine to {cfg.min_lr:g}); "
            f"precision {precision}")  # fmt: skip
@@ -5366,11 +5413,12 @@ def evaluate(cfg: RunConfig, d: Dist, kit: ModelKit, model: Replicas, precision:
     val, raw = kit.val, kit.trained
     raw.eval()
     loss_sum = tokens = nbytes = 0.0
+    read = evaluated_examples(cfg, len(val))
     # With fewer held-out examples than ranks, some ranks hold none: they add zeros to the sums.
-    mine = torch.arange(d.dp_rank, len(val), d.dp)  # a replica's ranks (slices, stages) share its examples
+    mine = read[d.dp_rank :: d.dp]  # a replica's ranks (slices, stages) share its examples
     batches = [[val[i] for i in chunk.tolist()] for chunk in mine.split(cfg.batch_size)] if len(mine) else []
     if model.gathers_in_forward:  # rank 0 holds the most batches; the others join its gathers
-        batches += [[val[0]]] * (math.ceil(math.ceil(len(val) / d.dp) / cfg.batch_size) - len(batches))
+        batches += [[val[0]]] * (math.ceil(math.ceil(len(read) / d.dp) / cfg.batch_size) - len(batches))
     for i, batch in enumerate(batches):
         inputs, targets, *positions = (t.to(d.device) for t in trim_padding(batch))
         with autocast_for(precision, d.device):
@@ -5387,6 +5435,27 @@ def evaluate(cfg: RunConfig, d: Dist, kit: ModelKit, model: Replicas, precision:
     # Perplexity is per token, so it depends on the tokenizer; bits per byte does not, and
     # compares the byte-level model with Qwen on the same text.
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_bpb": loss_sum / (math.log(2) * nbytes)}
+
+
+def evaluated_examples(cfg: RunConfig, n: int) -> torch.Tensor:
+    """Which held-out examples an evaluation reads: all, or --eval-examples spread evenly over them,
+    so that its cost stays bounded however large the corpus (nanoGPT's eval_iters, here fixed
+    examples: every evaluation reads the same ones, and their losses compare step to step)."""
+    if not cfg.eval_examples or cfg.eval_examples >= n:
+        return torch.arange(n)
+    return torch.arange(cfg.eval_examples) * n // cfg.eval_examples
+
+
+def describe_evaluation(cfg: RunConfig, d: Dist, n: int) -> str:
+    """What an evaluation reads, and its cost beside the training steps between two of them (a
+    forward is about a third of a training step's forward and backward)."""
+    read, between = len(evaluated_examples(cfg, n)), min(cfg.eval_every or cfg.max_steps, cfg.max_steps)
+    share = read / 3 / max(1, between * global_batch(cfg, d))
+    which = "every held-out example" if read == n else f"{read:,} of {n:,} held-out examples, spread evenly"
+    when = f"every {between} steps and at the end" if between < cfg.max_steps else "at the end"
+    return (
+        f"[eval] {which}, {when}: about {share:.1%} of the compute of the steps between (--eval-examples; 0 reads all)"
+    )
 
 
 # Dense bf16/fp16 tensor-core peaks in FLOP/s, from the vendors' data sheets, for MFU. Matched
@@ -6320,10 +6389,16 @@ def resume_training(
     model.load_state(named_params, state["trainable"], optimizer, state["optimizer"])
     if scaler and state["scaler"]:
         scaler.load_state_dict(state["scaler"])
-    if len(state["rng"]) == d.world_size:
+    saved = {k: state["settings"].get(k, 1) for k in ("tp", "pp")} | {"world_size": len(state["rng"])}
+    if saved == {"tp": d.tp, "pp": d.pp, "world_size": d.world_size}:
         restore_rng(state["rng"][d.rank], d)
-    else:  # another world size: the examples per step are the same, each rank's dropout stream is new
-        log(d, f"[resume] saved by {len(state['rng'])} rank(s), resumed by {d.world_size}: dropout draws afresh")
+    else:  # the examples per step are the same; rank r's saved stream may belong to another role (run seeds)
+
+        def layout(tp: int, pp: int, world_size: int) -> str:
+            return f"{world_size} rank(s) as dp {world_size // (tp * pp)} x tp {tp} x pp {pp}"
+
+        log(d, f"[resume] saved by {layout(**saved)}, resumed by {layout(d.tp, d.pp, d.world_size)}: every "
+               "random stream (dropout) starts afresh, seeded as a fresh run of this layout seeds it")  # fmt: skip
     return Progress(**state["progress"])
 
 
@@ -6367,6 +6442,8 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
     )
     log(d, f"[model] {kit.describe}")
     cfg = steps_for_epochs(cfg, d, kit)
+    if kit.val is not None:
+        log(d, describe_evaluation(cfg, d, len(kit.val)))
     if warmup_note := describe_warmup(cfg):
         log(d, warmup_note)
 

@@ -26,15 +26,15 @@ conversations per rank per step, 2 steps, no packing, --seq-len / max_length 128
 
     ours   python llm_ddp_parallel_training.py --cpu --nproc 2 --model hf --model-name-or-path MODEL
            --corpus-file DATA.jsonl --seq-len S --max-steps 2 --batch-size 4 --cache-dir CACHE
-           --val-fraction 0.001 --sample-tokens 1 --output-dir OUT ...   (its own evaluation at the end,
-           on 0.1% of the conversations, and a one-token sample: kept small, not removed)
+           --sample-tokens 1 --output-dir OUT ...   (its own evaluation at the end with the defaults a user
+           gets: 10% held out, an evaluation reading at most --eval-examples 1,000 of them; a one-token sample)
     TRL    torchrun --standalone --nproc-per-node 2 data_scale.py --trl-worker ...: load_dataset("json"),
            SFTTrainer(model=MODEL, peft_config=LoRA, SFTConfig(assistant_only_loss=True, max_length=S,
            max_steps=2, per_device_train_batch_size=4, use_cpu=True, ddp_backend="gloo")), train, save
            the adapter on rank 0, as benchmarks/trl_baseline.py does; HF_HOME and HF_DATASETS_CACHE in
            a folder of the case's own
     bytes  python llm_ddp_parallel_training.py --cpu --max-steps 2 --corpus-file TEXT.txt --cache-dir CACHE
-           --val-fraction 0.00001 --sample-tokens 1 --output-dir OUT   (the tiny byte-level model, one process)
+           --sample-tokens 1 --output-dir OUT   (the tiny byte-level model, one process, default evaluation)
 
 First start: the case's cache folder empty (ours: --cache-dir; TRL: HF_DATASETS_CACHE). Second
 start: the same command again, into a new --output-dir / output_dir (the script keeps one run per
@@ -442,18 +442,18 @@ def mb(nbytes: int) -> str:
     return f"{nbytes / 1e6:,.0f} MB" if nbytes >= 1e7 else f"{nbytes / 1e6:,.1f} MB"
 
 
-def command(case: Case, out: Path, model: Path | None, has_cache_dir: bool, val_fraction: float) -> list[str]:
+def command(case: Case, out: Path, model: Path | None, has_cache_dir: bool) -> list[str]:
     cache = ["--cache-dir", str(case.folder / "cache")] if has_cache_dir else []
     quiet = ["--sample-tokens", "1", "--log-every", "1", "--progress", "plain", "--output-dir", str(out)]
     if case.kind == "bytes":
         return [sys.executable, str(SCRIPT), "--cpu", "--max-steps", str(STEPS), "--corpus-file", str(case.data),
-                "--val-fraction", "0.00001", *quiet, *cache]  # fmt: skip
+                *quiet, *cache]  # fmt: skip
     if case.tool == "ours":
         return [sys.executable, str(SCRIPT), "--cpu", "--nproc", str(NPROC), "--model", "hf", "--model-name-or-path",
                 str(model), "--corpus-file", str(case.data), "--seq-len", str(case.seq_len), "--max-steps", str(STEPS),
                 "--batch-size", str(BATCH), "--lora-r", str(LORA["r"]), "--lora-alpha", str(LORA["alpha"]),
                 "--lora-dropout", str(LORA["dropout"]), "--lora-targets", LORA["targets"], "--no-pack",
-                "--val-fraction", str(val_fraction), *quiet, *cache]  # fmt: skip
+                *quiet, *cache]  # fmt: skip
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(NPROC),
             str(Path(__file__).resolve()), "--trl-worker", "--model", str(model), "--data", str(case.data),
             "--out", str(out), "--seq-len", str(case.seq_len), "--batch-size", str(BATCH),
@@ -479,7 +479,7 @@ def run_case(case: Case, start: str, model: Path | None, has_cache_dir: bool, ar
     out = case.folder / f"out-{len(runs) + 1}"  # a new output folder each start; the cache stays
     log = case.folder / f"{start}.log"
     case.folder.mkdir(parents=True, exist_ok=True)
-    cmd = command(case, out, model, has_cache_dir, args.val_fraction)
+    cmd = command(case, out, model, has_cache_dir)
     measured = watch(cmd, child_env(case.folder), log, args.timeout, single=case.kind == "bytes")
     cache = case.folder / ("hf-datasets" if case.tool == "TRL" else "cache")
     files, size = folder_size(cache)
@@ -766,7 +766,6 @@ def main() -> None:
     p.add_argument("--skip-trl", action="store_true", help="only this script's runs")
     p.add_argument("--skip-chat", action="store_true", help="no chat runs (the byte path only)")
     p.add_argument("--skip-bytes", action="store_true", help="no byte-path runs")
-    p.add_argument("--val-fraction", type=float, default=0.001, help="the script's --val-fraction on chat data")
     p.add_argument("--timeout", type=float, default=3600, help="seconds one run may take before it is stopped")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
     p.add_argument("--out", type=Path, default=None, metavar="DIR",

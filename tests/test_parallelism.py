@@ -124,6 +124,10 @@ def two_ranks(tmp_path_factory, tiny_qwen, four_ranks) -> dict[str, tuple[Run, P
     jobs.add("adamw ddp", [*ADAMW, "--grad-accum-steps", "2"])
     for which in ("torch", "manual"):
         jobs.probe(f"dropout tp/{which}", "tp replicas", [*DROPOUT, "--tp", "2", *ddp(which)])
+    for which in ("torch", "manual"):
+        for schedule in ("1f1b", "gpipe"):  # as a learner types it: no --grad-accum-steps
+            jobs.add(f"plain pp/{which} {schedule}", [*TINY, "--n-layers", "2", "--pp", "2", "--max-steps", "2",
+                                                     *ddp(which), "--pp-schedule", schedule])  # fmt: skip
     jobs.add("show tp", [*SHOW, "--tp", "2"])
     jobs.add("show pp", [*SHOW, "--pp", "2"])
     jobs.probe("tp float64", "tp float64")
@@ -533,7 +537,25 @@ REFUSED = {
     "torch's tp traced": (["--tp", "2", "--trace-steps", "2"], "--trace-steps with --tp 2 --ddp torch"),
     "torch's pp compressed": (["--n-layers", "2", "--pp", "2", "--grad-compression", "bf16"],
                               "--grad-compression with --pp 2 --ddp torch"),
+    "torch's 1f1b with fewer micro-batches than stages": (
+        ["--n-layers", "2", "--pp", "2", "--grad-accum-steps", "1"],
+        "--pp 2 --pp-schedule 1f1b --ddp torch needs a micro-batch per stage at least"),
 }  # fmt: skip
+
+
+@pytest.mark.parametrize("which", ["torch", "manual"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pp_as_a_learner_types_it_trains_with_one_micro_batch_per_stage(two_ranks, which, schedule):
+    run = shown(two_ranks, f"plain pp/{which} {schedule}")
+    assert "[run] 1 replica(s) of 2 rank(s) x 4 examples x 2 micro-step(s) = global batch 8" in run.stdout
+    assert "[run] --pp 2: each replica's 2 ranks hold a stage of blocks each; its 2 micro-batches a step" in run.stdout
+    assert "examples per replica per epoch" in run.stdout
+
+
+def test_the_run_header_under_tp_counts_replicas_and_says_how_the_model_is_split(two_ranks):
+    run = shown(two_ranks, "show tp")
+    assert "[run] 1 replica(s) of 2 rank(s) x 2 examples x 2 micro-step(s) = global batch 4" in run.stdout
+    assert "[run] --tp 2: each replica's 2 ranks hold a slice of every weight and see the same batch" in run.stdout
 
 
 def assert_one_clear_error(run: Run, expected: str) -> None:
