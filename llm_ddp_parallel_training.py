@@ -773,7 +773,6 @@ class CommStats:
         self.bytes = 0
         self.step_layout: dict[int, tuple[int, list[str]]] = {}
         self.layout: list[tuple[int, list[str]]] = []  # per bucket: (bytes, parameter names)
-        self.layout_changed = False
         self.local_grads: dict[str, torch.Tensor] | None = None  # set to {} to capture one step
         self.timeline: Timeline | None = None  # --trace-steps: each bucket's all-reduce becomes a span
 
@@ -811,9 +810,7 @@ class CommStats:
         calls, nbytes = self.calls, self.bytes
         self.calls, self.bytes, self.steps = 0, 0, self.steps + 1
         if self.step_layout:
-            layout = [self.step_layout[i] for i in sorted(self.step_layout)]
-            self.layout_changed = bool(self.layout) and layout != self.layout
-            self.layout, self.step_layout = layout, {}
+            self.layout, self.step_layout = [self.step_layout[i] for i in sorted(self.step_layout)], {}
         return calls, nbytes
 
 
@@ -4749,9 +4746,6 @@ def report_inspect_step(cfg: RunConfig, d: Dist, step: int, stats: CommStats, se
     log(d, f"[inspect] step {step}: global-token mean loss {loss_total / global_tokens:.4f} over "
            f"{int(global_tokens)} tokens; mean of per-rank means {means_total / d.dp:.4f}; this step "
            f"{moved} ({cfg.loss_normalization} normalization is training)")  # fmt: skip
-    if stats.layout_changed:
-        log_buckets(d, stats, "[inspect] DDP rebuilt its buckets after step 1 (in the order gradients arrived):")
-        stats.layout_changed = False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -4767,8 +4761,10 @@ Span = tuple[str, float, float, dict]  # (name, start, end, args): seconds on on
 # gradients; a pipeline's sends and receives of activations and their gradients.
 COMMUNICATION = ("all-reduce", "all-gather", "reduce-scatter", "send", "recv")
 PHASE_COLOURS = {"data": "#b0b0b0", "forward": "#4c72b0", "backward": "#55a868", "sync": "#dd8452",
-                 "optimizer": "#8172b3", "bubble": "#eeeeee", "all-reduce": "#c44e52", "all-gather": "#937860",
-                 "reduce-scatter": "#da8bc3", "send": "#64b5cd", "recv": "#ccb974"}  # fmt: skip
+                 "optimizer": "#8172b3", "start-up": "#dcdcdc", "bubble": "#eeeeee", "drain": "#f4e1cf",
+                 "all-reduce": "#c44e52", "all-gather": "#937860", "reduce-scatter": "#da8bc3", "send": "#64b5cd",
+                 "recv": "#ccb974"}  # fmt: skip
+IDLE = ("bubble", "drain")  # a pipeline stage waiting for a neighbour: filling, and draining at the step's end
 
 
 class Timeline:
@@ -4783,13 +4779,19 @@ class Timeline:
     It hooks the parameters before the DDP wrapper does: hooks run in the order they were
     registered, so the last gradient is stamped before the wrapper launches the last bucket.
 
+    Two waits are named for what they are: in the first traced step, the sync before forward is the
+    ranks' start-up (the first to arrive waits for the last to start); in a pipeline, the sync after
+    backward is the stage's drain (it waits for the stages still working through the last micro-batches).
+
     On a GPU a mark is a CUDA event, not a clock reading: the host runs ahead of the device, and an
     event records when the *device* got there. Each traced step starts with a synchronize, to pin
     the events to this rank's clock, and ends with another to read them.
     """
 
-    def __init__(self, last_step: int, device: torch.device, params: list[nn.Parameter] = ()) -> None:
-        self.last_step, self.cuda = last_step, device.type == "cuda"
+    def __init__(self, last_step: int, device: torch.device, params: list[nn.Parameter] = (),
+                 pipeline: bool = False) -> None:  # fmt: skip
+        self.last_step, self.cuda, self.pipeline = last_step, device.type == "cuda", pipeline
+        self.starting = True  # before the first traced step's forward
         self.on, self.step = False, 0  # recording the current step, and which
         self.spans: list[Span] = []
         self.pending: list[tuple[str, object, object, dict]] = []  # this step's, marks unresolved
@@ -4826,6 +4828,9 @@ class Timeline:
 
     def phase(self, name: str) -> None:
         now = self.now()
+        if name == "sync" and (self.starting or (self.pipeline and any(n == "forward" for n, *_ in self.pending))):
+            name = "start-up" if self.starting else "drain"
+        self.starting = self.starting and name == "data"
         if name == "backward" and self.last_gradient is not None:
             self.pending += [
                 ("backward", self.phase_start, self.last_gradient, {}),
@@ -4915,7 +4920,7 @@ def bubble_shares(ranks: list[list[Span]]) -> str:
     def share(spans: list[Span]) -> float:
         starts = sorted(a for n, a, _, _ in spans if n.startswith("step "))
         later = [(n, b - a) for n, a, b, _ in spans if a >= starts[min(1, len(starts) - 1)]]
-        return sum(t for n, t in later if n == "bubble") / sum(t for n, t in later if n.startswith("step "))
+        return sum(t for n, t in later if n in IDLE) / sum(t for n, t in later if n.startswith("step "))
 
     return ", ".join(f"rank {r} {100 * share(spans):.0f}%" for r, spans in enumerate(ranks))
 
@@ -4930,7 +4935,16 @@ def describe_overlap(ranks: list[list[Span]]) -> str:
     if any(name == "all-gather" for name, *_ in ranks[0]):
         return (f"hidden behind forward and backward: {per_rank} of the time an all-gather or reduce-scatter "
                 f"was in flight ({steps} traced steps)")  # fmt: skip
-    return f"hidden behind backward: {per_rank} of the time a bucket was in flight ({steps} traced steps)"
+    return f"hidden behind backward: {per_rank} of the time a bucket was in flight ({steps} traced steps)" + \
+        one_bucket_hint(ranks)  # fmt: skip
+
+
+def one_bucket_hint(ranks: list[list[Span]]) -> str:
+    """Why nothing hides when the whole gradient is one bucket, and what would show the overlap."""
+    buckets = {args.get("bucket") for spans in ranks for name, _, _, args in spans if name == "all-reduce"}
+    if buckets != {0}:
+        return ""
+    return "; the gradient is one bucket, sent when backward ends: --bucket-mb 0.5 splits it"
 
 
 def describe_trace(cfg: RunConfig, ranks: list[list[Span]]) -> tuple[str, str]:
@@ -5020,11 +5034,13 @@ def timeline_figure(plt: object, cfg: RunConfig, ranks: list[list[Span]]) -> obj
         how, note = f"--tp {cfg.tp}", "\ntensor-parallel all-reduces inside forward and backward"
     if cfg.pp > 1:
         how = f"--pp {cfg.pp} ({cfg.pp_schedule})"
-        note = f"\nidle, waiting for a neighbour (the bubble): {bubble_shares(ranks)}"
+        note = f"\nidle, waiting for a neighbour (bubble and drain): {bubble_shares(ranks)}"
+    elif hint := one_bucket_hint(ranks):
+        note += f"\n{hint.removeprefix('; ')}"
     ax.set_title(f"{cfg.model} model, --ddp {cfg.ddp}, {how}{note if shares or cfg.tp * cfg.pp > 1 else ''}",
                  fontsize=10, pad=14)  # fmt: skip
     drawn = {name for spans in ranks for name, *_ in spans}
-    shown = {k: c for k, c in PHASE_COLOURS.items() if (k not in COMMUNICATION and k != "bubble") or k in drawn}
+    shown = {k: c for k, c in PHASE_COLOURS.items() if k in drawn or k in SideWork.PHASES}
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in shown.values()]
     fig.legend(handles, list(shown), loc="outside lower center", ncol=len(shown), frameon=False)
     return fig
@@ -5152,7 +5168,8 @@ class SideWork:
     def __init__(self, cfg: RunConfig, d: Dist, kit: ModelKit, stats: CommStats, first_step: int) -> None:
         self.cfg, self.d, self.kit, self.stats = cfg, d, kit, stats
         params = [p for _, p in trainable_parameters(kit.model)]  # hooked before the wrapper hooks them
-        self.timeline = Timeline(first_step + cfg.trace_steps, d.device, params) if cfg.trace_steps else None
+        traced = first_step + cfg.trace_steps
+        self.timeline = Timeline(traced, d.device, params, d.pp > 1) if cfg.trace_steps else None
         stats.timeline = self.timeline
         self.offsets = clock_offsets(d) if self.timeline else []
         self.predicted = predict_memory(cfg, d, kit)  # from the whole model, before any sharding

@@ -106,9 +106,7 @@ def test_with_several_buckets_an_all_reduce_starts_before_backward_ends_on_every
     """The overlap DDP exists for: buckets go on the wire while backward still computes."""
     _, trace, _, _ = torch_ddp
     for rank, spans in spans_by_rank(trace).items():
-        for k, inside in steps_of(spans).items():
-            if k == 1:
-                continue  # torch's DDP sends the whole first step as one bucket, then rebuilds them
+        for k, inside in steps_of(spans).items():  # step 1 too: torch's DDP keeps one bucket layout (TorchDDP)
             starts = [s["ts"] for s in inside if s["name"] == "all-reduce"]
             assert min(starts) < backward_end(inside), (rank, k)
 
@@ -121,6 +119,23 @@ def test_ranks_share_one_clock_so_their_steps_overlap(torch_ddp):
     for k in (1, 2, 3):
         spans = [next(s for s in by_rank[r] if s["name"] == f"step {k}") for r in (0, 1)]
         assert max(s["ts"] for s in spans) < min(s["ts"] + s["dur"] for s in spans), k
+
+
+def test_the_first_traced_step_opens_with_the_ranks_start_up_not_a_sync(torch_ddp):
+    _, trace, _, _ = torch_ddp
+    for rank, spans in spans_by_rank(trace).items():
+        steps = steps_of(spans)
+        first = sorted(steps[1], key=lambda s: s["ts"])
+        assert [s["name"] for s in first if s["name"] in ("data", "start-up", "sync", "forward")][:3] == [
+            "data", "start-up", "forward"], rank  # fmt: skip
+        assert all(s["name"] != "start-up" for k in (2, 3) for s in steps[k]), rank
+
+
+def test_with_the_gradient_in_one_bucket_the_summary_says_why_nothing_hides_and_what_splits_it(two_ranks):
+    run, _ = two_ranks["resumed"]
+    assert_ok(run)
+    assert "the gradient is one bucket, sent when backward ends: --bucket-mb 0.5 splits it" in run.stdout
+    assert "one bucket" not in two_ranks["torch DDP"][0].stdout
 
 
 def test_the_summary_reports_the_hidden_fraction_and_plot_draws_the_timeline(torch_ddp):

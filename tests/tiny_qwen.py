@@ -199,6 +199,12 @@ def main(argv: list[str] | None = None) -> int:
         help="also write a .jsonl chat file: one conversation per corpus line, "
         "the user says its first half, the assistant its second",
     )
+    parser.add_argument(
+        "--chat-lines",
+        type=int,
+        default=None,
+        help="only the first N corpus lines go into the chat file (all: every one)",
+    )
     parser.add_argument("--vocab-size", type=int, default=400, help="BPE vocabulary size, special tokens included")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     args = parser.parse_args(argv)
@@ -217,8 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     build_tiny_qwen(args.out_dir, lines, vocab_size=args.vocab_size, seed=args.seed)
     print(f"model: {args.out_dir} (tiny random Qwen2, BPE tokenizer trained on {len(lines)} lines of {args.corpus})")
     if args.chat_file:
-        count = write_chat_file(args.chat_file, lines)
-        print(f"chat file: {args.chat_file} ({count} conversations, one per line of {args.corpus})")
+        count = write_chat_file(args.chat_file, lines[: args.chat_lines])
+        which = "" if args.chat_lines is None else f", its first {args.chat_lines}"
+        print(f"chat file: {args.chat_file} ({count} conversations, one per line of {args.corpus}{which})")
     return 0
 
 
