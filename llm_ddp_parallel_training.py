@@ -6410,11 +6410,10 @@ def resume_training(
     if saved == {"tp": d.tp, "pp": d.pp, "world_size": d.world_size}:
         restore_rng(state["rng"][d.rank], d)
     else:  # the examples per step are the same; rank r's saved stream may belong to another role (run seeds)
-
-        def layout(tp: int, pp: int, world_size: int) -> str:
-            return f"{world_size} rank(s) as dp {world_size // (tp * pp)} x tp {tp} x pp {pp}"
-
-        log(d, f"[resume] saved by {layout(**saved)}, resumed by {layout(d.tp, d.pp, d.world_size)}: every "
+        was, now = (
+            f"dp {w // (tp * pp)} x tp {tp} x pp {pp}" for tp, pp, w in (saved.values(), (d.tp, d.pp, d.world_size))
+        )
+        log(d, f"[resume] saved by {saved['world_size']} rank(s), resumed by {d.world_size} ({was} -> {now}): every "
                "random stream (dropout) starts afresh, seeded as a fresh run of this layout seeds it")  # fmt: skip
     return Progress(**state["progress"])
 
