@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 import llm_ddp_parallel_training as t
@@ -76,3 +78,17 @@ def test_sampler_shards_are_disjoint_and_cover_the_data():
 
 def test_sampler_reshuffles_each_epoch():
     assert shard_indices(50, 2, 4, epoch=0)[0] != shard_indices(50, 2, 4, epoch=1)[0]
+
+
+def test_the_lean_sampler_hands_out_torchs_order_for_every_shuffle_drop_last_size_seed_and_epoch():
+    # Importable from a learner's own script: it must be torch's DistributedSampler for every argument,
+    # padding included (without drop_last torch repeats indices from the start to fill the last round).
+    sizes, worlds, flags, seeds = [*range(14), 97, 1_003], range(1, 5), (True, False), (0, 1337)
+    for n, world, shuffle, drop_last, seed in itertools.product(sizes, worlds, flags, flags, seeds):
+        for rank in range(world):
+            kw = dict(num_replicas=world, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+            ours, torchs = t.LeanDistributedSampler(range(n), **kw), torch.utils.data.DistributedSampler(range(n), **kw)
+            for epoch in range(3):
+                ours.set_epoch(epoch)
+                torchs.set_epoch(epoch)
+                assert list(ours) == list(torchs) and len(ours) == len(torchs), (n, kw, epoch)
