@@ -201,6 +201,7 @@ def layer_names(text: str) -> tuple[str, ...]:
 
 
 PRETRAINED_GROUP = "pretrained model (--model hf)"
+TINY_GROUP = "tiny model"
 
 
 @dataclass(frozen=True)
@@ -232,7 +233,7 @@ class RunConfig:
                                   "batches ask (default: $XDG_CACHE_HOME or ~/.cache, then llm_ddp_parallel_training); "
                                   "none: tokenize in memory, for this run only", metavar="DIR")  # fmt: skip
 
-    d_model: int = flag(128, "embedding width", "tiny model", type=POSITIVE)
+    d_model: int = flag(128, "embedding width", TINY_GROUP, type=POSITIVE)
     n_heads: int = flag(4, "attention heads", type=POSITIVE)
     n_layers: int = flag(2, "Transformer blocks", type=POSITIVE)
     dropout: float = flag(0.0, "dropout probability", type=PROBABILITY)
@@ -2488,12 +2489,16 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     parser = build_arg_parser()
     args = parser.parse_args(argv)
     args.model = MODEL_ALIASES.get(args.model, args.model)
-    if args.model == "tiny" and (given := pretrained_flags_given(parser, argv, args)):
+    # Each model's flags are refused with the other, which would ignore them, when the command line spells them out.
+    group, meant_for, ignored_by, fix = {
+        "tiny": (PRETRAINED_GROUP, "a pretrained model (--model hf)", "the tiny model", "add --model hf, or "),
+        "hf": (TINY_GROUP, "the tiny model (--model tiny)", "a pretrained model", ""),
+    }[args.model]
+    if given := flags_given(parser, argv, args, group):
         is_, it = ("is", "it") if len(given) == 1 else ("are", "them")
         raise UsageError(
-            f"{' and '.join([', '.join(given[:-1]), given[-1]] if len(given) > 1 else given)} {is_} for a "
-            "pretrained model (--model hf); "
-            f"the tiny model would ignore {it}: add --model hf, or leave {it} out"
+            f"{' and '.join([', '.join(given[:-1]), given[-1]] if len(given) > 1 else given)} {is_} for "
+            f"{meant_for}; {ignored_by} would ignore {it}: {fix}leave {it} out"
         )
     if args.max_steps is None:  # 0: no cap, for --epochs to decide (see steps_for_epochs)
         args.max_steps = 0 if args.epochs else 600
@@ -2529,10 +2534,10 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     return cfg
 
 
-def pretrained_flags_given(parser: argparse.ArgumentParser, argv: list[str], args: argparse.Namespace) -> list[str]:
-    """The flags of the pretrained-model group that the command line spells out (a default does not count)."""
+def flags_given(parser: argparse.ArgumentParser, argv: list[str], args: argparse.Namespace, title: str) -> list[str]:
+    """The flags of the group `title` that the command line spells out (a default does not count)."""
     spelt = {word.split("=", 1)[0] for word in argv if word.startswith("--")}
-    group = next(g for g in parser._action_groups if g.title == PRETRAINED_GROUP)
+    group = next(g for g in parser._action_groups if g.title == title)
 
     def spelled(a: argparse.Action) -> str:
         value = getattr(args, a.dest)
