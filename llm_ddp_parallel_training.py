@@ -3917,9 +3917,15 @@ class FileArray:
 
 def build_cache(cfg: RunConfig, folder: Path, key: str, build: Callable[[ArraySink], dict]) -> None:
     """Build into a folder of this process's own beside `folder`, then rename it into place: a crash,
-    Ctrl-C or a full disk mid-build leaves no cache a later run would load. If another run renamed
-    the same cache into place first, its cache is as good as this one: it stays."""
-    tmp = folder.with_name(f".{folder.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    Ctrl-C or a full disk mid-build leaves no cache a later run would load (a build killed outright
+    leaves its folder, which the next build on its machine removes). If another run renamed the same
+    cache into place first, its cache is as good as this one: it stays."""
+    host = socket.gethostname()
+    leftover = re.compile(rf"\.(tokens|bytes)-\w+\.tmp-{re.escape(host)}-(\d+)")  # another machine's may live
+    for left in folder.parent.glob(".*.tmp-*"):
+        if (m := leftover.fullmatch(left.name)) and process_gone(int(m[2])):
+            shutil.rmtree(left, ignore_errors=True)
+    tmp = folder.with_name(f".{folder.name}.tmp-{host}-{os.getpid()}")
     sink = ArraySink(tmp)
     try:
         tmp.mkdir(parents=True)
@@ -3927,16 +3933,19 @@ def build_cache(cfg: RunConfig, folder: Path, key: str, build: Callable[[ArraySi
         sink.close()
         meta |= {"key": key, "format": CACHE_FORMAT, "arrays": sink.facts}
         atomic_write(tmp / "meta.json", json.dumps(meta, indent=1).encode())
-        try:
-            os.rename(tmp, folder)
-        except OSError as e:
-            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                raise
-            if cache_problem(folder, key) is not None:  # a damaged one: swap it out
-                aside = folder.with_name(f".{folder.name}.damaged-{os.getpid()}")
-                os.rename(folder, aside)
+        while True:  # until this cache, or another build's that passes its check, is in place
+            try:
                 os.rename(tmp, folder)
-                shutil.rmtree(aside, ignore_errors=True)
+                break
+            except OSError as e:
+                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+            if cache_problem(folder, key) is None:  # another run's, renamed in first (even after our swap): it stays
+                break
+            aside = folder.with_name(f".{folder.name}.damaged-{os.getpid()}")
+            with contextlib.suppress(FileNotFoundError):  # a damaged one: swap it out, unless another build just did
+                os.rename(folder, aside)
+            shutil.rmtree(aside, ignore_errors=True)
     except OSError as e:
         raise UsageError(
             f"cannot write the token cache in {cfg.cache_dir}: {e.strerror or e} "
@@ -3945,6 +3954,19 @@ def build_cache(cfg: RunConfig, folder: Path, key: str, build: Callable[[ArraySi
     finally:
         sink.close()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def process_gone(pid: int) -> bool:
+    """Whether no process on this machine has this id (never said on Windows, where os.kill(pid, 0) stops it)."""
+    if sys.platform == "win32":
+        return False
+    try:
+        os.kill(pid, 0)  # signal 0 sends nothing: it only asks whether the process exists
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's process
+        pass
+    return False
 
 
 def file_digest(path: Path) -> str:
