@@ -4616,9 +4616,10 @@ def cannot_split(cfg: RunConfig) -> str | None:
     if cfg.pp > 1 and cfg.inject_fault and cfg.inject_fault.kind == "desync":
         return "--inject-fault desync with --pp: no tensor is held by every rank, so no check could tell"
     if cfg.ddp == "torch" and (cfg.grad_compression != "none" or cfg.trace_steps):
-        what = "--grad-compression" if cfg.grad_compression != "none" else "--trace-steps"
+        compressed = cfg.grad_compression != "none"
+        what, own = ("--grad-compression", "compresses") if compressed else ("--trace-steps", "traces")
         return (f"{what} with {flag} --ddp torch: torch's split runs its collectives out of this script's "
-                "sight; --ddp manual shows and compresses its own")  # fmt: skip
+                f"sight; --ddp manual {own} its own")  # fmt: skip
     return None
 
 
@@ -5694,8 +5695,9 @@ def describe_traffic(cfg: RunConfig, traffic: dict[str, tuple[float, float]]) ->
     unseen = [what for what, on in (("fully_shard", cfg.sharding == "full"), ("ZeroRedundancyOptimizer",
               cfg.sharding == "optimizer"), ("tensor parallelism", cfg.tp > 1), ("pipelining", cfg.pp > 1))
               if on and cfg.ddp == "torch"]  # fmt: skip
-    unseen_note = f" (and torch's {' and '.join(unseen)}, whose collectives it does not see)" if unseen else ""
-    return f"rank 0, per step: {shown or 'nothing'}{unseen_note}"
+    # Said first: after "nothing", a note reads as if torch's sharding sent nothing.
+    unseen_note = f"collectives of torch's {' and '.join(unseen)}: not counted (out of this script's sight); the rest: "
+    return f"rank 0, per step: {unseen_note if unseen else ''}{shown or 'nothing'}"
 
 
 def print_summary(cfg: RunConfig, d: Dist, result: TrainResult, wall_seconds: float, outputs: list[Path]) -> None:
