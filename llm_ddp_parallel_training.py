@@ -4021,15 +4021,20 @@ def data_digest(cfg: RunConfig) -> str:
     return sha256(json.dumps([cfg.dataset, load_dataset_split(cfg)._fingerprint, *where]).encode())
 
 
-def load_dataset_split(cfg: RunConfig) -> object:
-    """--dataset: a Hub name, a local parquet/JSONL/CSV file, or a folder save_to_disk wrote, read
-    with Hugging Face datasets (Arrow, memory-mapped): --dataset-split of it."""
+def datasets_library() -> Any:
     try:
         import datasets
     except ImportError:
         raise UsageError(
             "--dataset reads with Hugging Face datasets, not installed here: pip install datasets"
         ) from None
+    return datasets
+
+
+def load_dataset_split(cfg: RunConfig) -> object:
+    """--dataset: a Hub name, a local parquet/JSONL/CSV file, or a folder save_to_disk wrote, read
+    with Hugging Face datasets (Arrow, memory-mapped): --dataset-split of it."""
+    datasets = datasets_library()
     datasets.disable_progress_bars()
     local, split = Path(cfg.dataset).expanduser(), cfg.dataset_split
     try:
@@ -4405,10 +4410,8 @@ def resolve_model_files(cfg: RunConfig, d: Dist) -> Path:
 @functools.cache  # the token cache's key and the model's loading both ask: one fetch
 def fetch_model_files(cfg: RunConfig) -> Path:
     source = cfg.model_name_or_path
-    if Path(source).expanduser().is_dir():
-        return Path(source).expanduser()
-    if source.startswith((".", "/", "~")) or "\\" in source or source.count("/") > 1:
-        raise UsageError(f"cannot load model: no folder {source} (hub names look like Qwen/Qwen2.5-0.5B-Instruct)")
+    if folder := local_model_folder(source):
+        return folder
     from huggingface_hub import snapshot_download
 
     try:
@@ -4421,6 +4424,15 @@ def fetch_model_files(cfg: RunConfig) -> Path:
             f"cannot load model '{source}': it is not a local folder, and the Hugging Face Hub "
             f"could not provide it (offline, or a wrong name?): {first_line(e)}"
         ) from None
+
+
+def local_model_folder(source: str) -> Path | None:
+    """The folder --model-name-or-path names, or None for a hub name; one that looks like a path must be there."""
+    if Path(source).expanduser().is_dir():
+        return Path(source).expanduser()
+    if source.startswith((".", "/", "~")) or "\\" in source or source.count("/") > 1:
+        raise UsageError(f"cannot load model: no folder {source} (hub names look like Qwen/Qwen2.5-0.5B-Instruct)")
+    return None
 
 
 def load_tokenizer(cfg: RunConfig, folder: Path) -> PreTrainedTokenizerBase:
@@ -5860,10 +5872,12 @@ class OutputLock:
 
     def __init__(self) -> None:
         self.file: io.TextIOWrapper | None = None  # open for the process's lifetime: the lock lives with it
+        self.made: list[Path] = []  # the folders hold() created, deepest first
 
     def hold(self, folder: Path) -> None:
         if self.file is not None:
             return
+        self.made = [p for p in (folder, *folder.parents) if not p.exists()]
         folder.mkdir(parents=True, exist_ok=True)
         f = open(folder / "run.lock", "a+", encoding="utf-8")  # noqa: SIM115 (held, not closed)
         try:
@@ -5889,6 +5903,20 @@ class OutputLock:
         f.write(f"host {socket.gethostname()}, pid {os.getpid()}, started {started}\n")
         f.flush()
         self.file = f
+
+    def release(self) -> None:
+        """At the run's end: a run that wrote nothing in its folder leaves nothing, neither its lock nor a
+        folder it made (a folder that existed before, or holds anything else, stays)."""
+        if self.file is None:
+            return
+        lock = Path(self.file.name)
+        with contextlib.suppress(OSError):  # Windows cannot remove an open file: it stays
+            if [p.name for p in lock.parent.iterdir()] == [lock.name]:
+                lock.unlink()  # while still held: no other run can have taken it meanwhile
+                for folder in self.made:  # rmdir stops at the first that holds anything
+                    folder.rmdir()
+        self.file.close()
+        self.file = None
 
 
 def lock_file(f: io.TextIOWrapper) -> None:
@@ -6551,6 +6579,16 @@ def report_failure(error: Exception, cfg: RunConfig | None, d: Dist | None) -> i
     return 1
 
 
+def refuse_missing_inputs(cfg: RunConfig) -> None:
+    """What each rank can find missing alone, refused as quickly as a bad flag: before the process group."""
+    if cfg.dataset:
+        datasets_library()
+    else:
+        check_readable(cfg.corpus_file)
+    if cfg.model == "hf":
+        local_model_folder(cfg.model_name_or_path)
+
+
 @record  # a rank's uncaught exception is written where torchrun can show it as the root cause
 def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
@@ -6561,6 +6599,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = d = None
     try:
         cfg = parse_args(argv)
+        refuse_missing_inputs(cfg)
         if cfg.nproc:
             raise SystemExit(launch_local_ranks(cfg, sys.argv[1:] if argv is None else list(argv)))
         d = setup_distributed(cfg)
@@ -6570,6 +6609,7 @@ def main(argv: list[str] | None = None) -> None:
     except (UsageError, TrainingError, RuntimeError) as e:
         raise SystemExit(report_failure(e, cfg, d)) from None
     finally:
+        OUTPUT_LOCK.release()
         teardown_distributed()
 
 
