@@ -4301,6 +4301,10 @@ def add_lora(cfg: RunConfig, model: nn.Module) -> nn.Module:
     # Trainability is settled before DDP wraps the model: DDP registers its gradient hooks on
     # the parameters that require grad when it is built, and only those ever travel.
     model = get_peft_model(model, lora)
+    # adapter_config.json names the base as it was loaded: a folder as typed (relative), or the hub cache's
+    # snapshot. A folder's full path and a hub name load the adapter from any working directory.
+    local = local_model_folder(cfg.model_name_or_path)
+    model.peft_config["default"].base_model_name_or_path = str(local.resolve()) if local else cfg.model_name_or_path
     # A drawn again, layer by layer from the seed, as PEFT draws it: PEFT's own draws sit between
     # the creation of layers whose sizes --tp changes, so its A would differ from one process's.
     torch.manual_seed(cfg.seed)
