@@ -5350,7 +5350,12 @@ def generate_bytes(model: TinyTransformer, prompt: str, max_new: int, seed: int)
             break
         out.append(int(nxt.item()))
         ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
-    return prompt + out.decode("utf-8", errors="replace")
+    return (prompt + out.decode("utf-8", errors="replace")).translate(CONTROL_ESCAPES)
+
+
+# A sampled byte may be any control character (backspace, NUL, an escape sequence's ESC): shown as \x08 and
+# the like, the sample stays one line of text that can neither drive the terminal nor break a log.
+CONTROL_ESCAPES = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}
 
 
 def say(message: str) -> None:

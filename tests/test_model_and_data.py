@@ -1,4 +1,4 @@
-"""The pieces a learner reads first: the causal model, the byte examples, the sampler shards."""
+"""The pieces a learner reads first: the causal model, the byte examples, the sampler shards, the sample line."""
 
 from __future__ import annotations
 
@@ -92,3 +92,25 @@ def test_the_lean_sampler_hands_out_torchs_order_for_every_shuffle_drop_last_siz
                 ours.set_epoch(epoch)
                 torchs.set_epoch(epoch)
                 assert list(ours) == list(torchs) and len(ours) == len(torchs), (n, kw, epoch)
+
+
+class Scripted(torch.nn.Module):
+    """A byte model that samples the bytes of its script, one a step, after "\\n" and the prompt."""
+
+    def __init__(self, prompt: str, script: bytes) -> None:
+        super().__init__()
+        self.before, self.script = 1 + len(prompt.encode()), script
+        self.config = t.TinyConfig(seq_len=64)
+        self.device_of = torch.nn.Parameter(torch.zeros(()))  # generate_bytes takes its device from a parameter
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits = torch.full((1, ids.shape[1], 256), -1e4)
+        logits[0, -1, self.script[ids.shape[1] - self.before]] = 0.0
+        return logits
+
+
+def test_a_byte_sample_shows_control_characters_as_escapes_on_one_line():
+    # Backspace, NUL, DC1, ESC, DEL, C1's NEL (U+0085, two bytes of UTF-8), a carriage return, then the line's end.
+    script = b"a\x08b\x00\x11\x1b[2J\x7f\xc2\x85\xc3\xa9\rz\n"
+    sample = t.generate_bytes(Scripted("Hi", script), "Hi", max_new=64, seed=0)
+    assert sample == "Hia\\x08b\\x00\\x11\\x1b[2J\\x7f\\x85\u00e9\\x0dz"
