@@ -4022,6 +4022,7 @@ def data_digest(cfg: RunConfig) -> str:
 
 
 def datasets_library() -> Any:
+    """Hugging Face datasets, imported only for --dataset (the tiny path never pays for it)."""
     try:
         import datasets
     except ImportError:
