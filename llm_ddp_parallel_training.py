@@ -201,6 +201,7 @@ def layer_names(text: str) -> tuple[str, ...]:
 
 
 PRETRAINED_GROUP = "pretrained model (--model hf)"
+TINY_GROUP = "tiny model"
 
 
 @dataclass(frozen=True)
@@ -232,7 +233,7 @@ class RunConfig:
                                   "batches ask (default: $XDG_CACHE_HOME or ~/.cache, then llm_ddp_parallel_training); "
                                   "none: tokenize in memory, for this run only", metavar="DIR")  # fmt: skip
 
-    d_model: int = flag(128, "embedding width", "tiny model", type=POSITIVE)
+    d_model: int = flag(128, "embedding width", TINY_GROUP, type=POSITIVE)
     n_heads: int = flag(4, "attention heads", type=POSITIVE)
     n_layers: int = flag(2, "Transformer blocks", type=POSITIVE)
     dropout: float = flag(0.0, "dropout probability", type=PROBABILITY)
@@ -550,12 +551,15 @@ def trim_padding(batch: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, .
 
 
 class LeanDistributedSampler(DistributedSampler):
-    """DistributedSampler's order exactly (the same permutation, the same slice per rank), handed out
-    from the permutation's tensor instead of a Python list of every index: the 7.8 M windows of a
-    1 GB corpus made that list 320 MB on every rank."""
+    """DistributedSampler's order exactly, whatever its arguments (the same permutation or none, the same
+    padding or trimming, the same slice per rank), handed out from a tensor instead of a Python list of
+    every index: the 7.8 M windows of a 1 GB corpus made that list 320 MB on every rank."""
 
     def __iter__(self) -> Iterator[int]:
-        order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        n, seeded = len(self.dataset), torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(n, generator=seeded) if self.shuffle else torch.arange(n)
+        if self.total_size > n:  # without drop_last torch pads to a multiple of the ranks, repeating from the start
+            order = order.repeat(-(-self.total_size // n))
         for part in order[: self.total_size][self.rank :: self.num_replicas].split(1 << 16):
             yield from part.tolist()
 
@@ -2498,12 +2502,16 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     parser = build_arg_parser()
     args = parser.parse_args(argv)
     args.model = MODEL_ALIASES.get(args.model, args.model)
-    if args.model == "tiny" and (given := pretrained_flags_given(parser, argv, args)):
+    # Each model's flags are refused with the other, which would ignore them, when the command line spells them out.
+    group, meant_for, ignored_by, fix = {
+        "tiny": (PRETRAINED_GROUP, "a pretrained model (--model hf)", "the tiny model", "add --model hf, or "),
+        "hf": (TINY_GROUP, "the tiny model (--model tiny)", "a pretrained model", ""),
+    }[args.model]
+    if given := flags_given(parser, argv, args, group):
         is_, it = ("is", "it") if len(given) == 1 else ("are", "them")
         raise UsageError(
-            f"{' and '.join([', '.join(given[:-1]), given[-1]] if len(given) > 1 else given)} {is_} for a "
-            "pretrained model (--model hf); "
-            f"the tiny model would ignore {it}: add --model hf, or leave {it} out"
+            f"{' and '.join([', '.join(given[:-1]), given[-1]] if len(given) > 1 else given)} {is_} for "
+            f"{meant_for}; {ignored_by} would ignore {it}: {fix}leave {it} out"
         )
     if args.pp > 1 and "--grad-accum-steps" not in {word.split("=", 1)[0] for word in argv}:
         args.grad_accum_steps = args.pp  # a pipeline's micro-batches: one per stage, or stages idle (announce_run)
@@ -2541,10 +2549,10 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     return cfg
 
 
-def pretrained_flags_given(parser: argparse.ArgumentParser, argv: list[str], args: argparse.Namespace) -> list[str]:
-    """The flags of the pretrained-model group that the command line spells out (a default does not count)."""
+def flags_given(parser: argparse.ArgumentParser, argv: list[str], args: argparse.Namespace, title: str) -> list[str]:
+    """The flags of the group `title` that the command line spells out (a default does not count)."""
     spelt = {word.split("=", 1)[0] for word in argv if word.startswith("--")}
-    group = next(g for g in parser._action_groups if g.title == PRETRAINED_GROUP)
+    group = next(g for g in parser._action_groups if g.title == title)
 
     def spelled(a: argparse.Action) -> str:
         value = getattr(args, a.dest)
@@ -3924,9 +3932,15 @@ class FileArray:
 
 def build_cache(cfg: RunConfig, folder: Path, key: str, build: Callable[[ArraySink], dict]) -> None:
     """Build into a folder of this process's own beside `folder`, then rename it into place: a crash,
-    Ctrl-C or a full disk mid-build leaves no cache a later run would load. If another run renamed
-    the same cache into place first, its cache is as good as this one: it stays."""
-    tmp = folder.with_name(f".{folder.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    Ctrl-C or a full disk mid-build leaves no cache a later run would load (a build killed outright
+    leaves its folder, which the next build on its machine removes). If another run renamed the same
+    cache into place first, its cache is as good as this one: it stays."""
+    host = socket.gethostname()
+    leftover = re.compile(rf"\.(tokens|bytes)-\w+\.tmp-{re.escape(host)}-(\d+)")  # another machine's may live
+    for left in folder.parent.glob(".*.tmp-*"):
+        if (m := leftover.fullmatch(left.name)) and process_gone(int(m[2])):
+            shutil.rmtree(left, ignore_errors=True)
+    tmp = folder.with_name(f".{folder.name}.tmp-{host}-{os.getpid()}")
     sink = ArraySink(tmp)
     try:
         tmp.mkdir(parents=True)
@@ -3934,16 +3948,19 @@ def build_cache(cfg: RunConfig, folder: Path, key: str, build: Callable[[ArraySi
         sink.close()
         meta |= {"key": key, "format": CACHE_FORMAT, "arrays": sink.facts}
         atomic_write(tmp / "meta.json", json.dumps(meta, indent=1).encode())
-        try:
-            os.rename(tmp, folder)
-        except OSError as e:
-            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                raise
-            if cache_problem(folder, key) is not None:  # a damaged one: swap it out
-                aside = folder.with_name(f".{folder.name}.damaged-{os.getpid()}")
-                os.rename(folder, aside)
+        while True:  # until this cache, or another build's that passes its check, is in place
+            try:
                 os.rename(tmp, folder)
-                shutil.rmtree(aside, ignore_errors=True)
+                break
+            except OSError as e:
+                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+            if cache_problem(folder, key) is None:  # another run's, renamed in first (even after our swap): it stays
+                break
+            aside = folder.with_name(f".{folder.name}.damaged-{os.getpid()}")
+            with contextlib.suppress(FileNotFoundError):  # a damaged one: swap it out, unless another build just did
+                os.rename(folder, aside)
+            shutil.rmtree(aside, ignore_errors=True)
     except OSError as e:
         raise UsageError(
             f"cannot write the token cache in {cfg.cache_dir}: {e.strerror or e} "
@@ -3952,6 +3969,19 @@ def build_cache(cfg: RunConfig, folder: Path, key: str, build: Callable[[ArraySi
     finally:
         sink.close()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def process_gone(pid: int) -> bool:
+    """Whether no process on this machine has this id (never said on Windows, where os.kill(pid, 0) stops it)."""
+    if sys.platform == "win32":
+        return False
+    try:
+        os.kill(pid, 0)  # signal 0 sends nothing: it only asks whether the process exists
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's process
+        pass
+    return False
 
 
 def file_digest(path: Path) -> str:
@@ -4006,15 +4036,21 @@ def data_digest(cfg: RunConfig) -> str:
     return sha256(json.dumps([cfg.dataset, load_dataset_split(cfg)._fingerprint, *where]).encode())
 
 
-def load_dataset_split(cfg: RunConfig) -> object:
-    """--dataset: a Hub name, a local parquet/JSONL/CSV file, or a folder save_to_disk wrote, read
-    with Hugging Face datasets (Arrow, memory-mapped): --dataset-split of it."""
+def datasets_library() -> Any:
+    """Hugging Face datasets, imported only for --dataset (the tiny path never pays for it)."""
     try:
         import datasets
     except ImportError:
         raise UsageError(
             "--dataset reads with Hugging Face datasets, not installed here: pip install datasets"
         ) from None
+    return datasets
+
+
+def load_dataset_split(cfg: RunConfig) -> object:
+    """--dataset: a Hub name, a local parquet/JSONL/CSV file, or a folder save_to_disk wrote, read
+    with Hugging Face datasets (Arrow, memory-mapped): --dataset-split of it."""
+    datasets = datasets_library()
     datasets.disable_progress_bars()
     local, split = Path(cfg.dataset).expanduser(), cfg.dataset_split
     try:
@@ -4281,6 +4317,10 @@ def add_lora(cfg: RunConfig, model: nn.Module) -> nn.Module:
     # Trainability is settled before DDP wraps the model: DDP registers its gradient hooks on
     # the parameters that require grad when it is built, and only those ever travel.
     model = get_peft_model(model, lora)
+    # adapter_config.json names the base as it was loaded: a folder as typed (relative), or the hub cache's
+    # snapshot. A folder's full path and a hub name load the adapter from any working directory.
+    local = local_model_folder(cfg.model_name_or_path)
+    model.peft_config["default"].base_model_name_or_path = str(local.resolve()) if local else cfg.model_name_or_path
     # A drawn again, layer by layer from the seed, as PEFT draws it: PEFT's own draws sit between
     # the creation of layers whose sizes --tp changes, so its A would differ from one process's.
     torch.manual_seed(cfg.seed)
@@ -4390,10 +4430,8 @@ def resolve_model_files(cfg: RunConfig, d: Dist) -> Path:
 @functools.cache  # the token cache's key and the model's loading both ask: one fetch
 def fetch_model_files(cfg: RunConfig) -> Path:
     source = cfg.model_name_or_path
-    if Path(source).expanduser().is_dir():
-        return Path(source).expanduser()
-    if source.startswith((".", "/", "~")) or "\\" in source or source.count("/") > 1:
-        raise UsageError(f"cannot load model: no folder {source} (hub names look like Qwen/Qwen2.5-0.5B-Instruct)")
+    if folder := local_model_folder(source):
+        return folder
     from huggingface_hub import snapshot_download
 
     try:
@@ -4406,6 +4444,15 @@ def fetch_model_files(cfg: RunConfig) -> Path:
             f"cannot load model '{source}': it is not a local folder, and the Hugging Face Hub "
             f"could not provide it (offline, or a wrong name?): {first_line(e)}"
         ) from None
+
+
+def local_model_folder(source: str) -> Path | None:
+    """The folder --model-name-or-path names, or None for a hub name; one that looks like a path must be there."""
+    if Path(source).expanduser().is_dir():
+        return Path(source).expanduser()
+    if source.startswith((".", "/", "~")) or "\\" in source or source.count("/") > 1:
+        raise UsageError(f"cannot load model: no folder {source} (hub names look like Qwen/Qwen2.5-0.5B-Instruct)")
+    return None
 
 
 def load_tokenizer(cfg: RunConfig, folder: Path) -> PreTrainedTokenizerBase:
@@ -4604,9 +4651,10 @@ def cannot_split(cfg: RunConfig) -> str | None:
         return (f"--pp {cfg.pp} --pp-schedule 1f1b --ddp torch needs a micro-batch per stage at least: "
                 f"--grad-accum-steps {cfg.grad_accum_steps} is fewer; give {cfg.pp}, or leave it out")  # fmt: skip
     if cfg.ddp == "torch" and (cfg.grad_compression != "none" or cfg.trace_steps):
-        what = "--grad-compression" if cfg.grad_compression != "none" else "--trace-steps"
+        compressed = cfg.grad_compression != "none"
+        what, own = ("--grad-compression", "compresses") if compressed else ("--trace-steps", "traces")
         return (f"{what} with {flag} --ddp torch: torch's split runs its collectives out of this script's "
-                "sight; --ddp manual shows and compresses its own")  # fmt: skip
+                f"sight; --ddp manual {own} its own")  # fmt: skip
     return None
 
 
@@ -5341,7 +5389,12 @@ def generate_bytes(model: TinyTransformer, prompt: str, max_new: int, seed: int)
             break
         out.append(int(nxt.item()))
         ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
-    return prompt + out.decode("utf-8", errors="replace")
+    return (prompt + out.decode("utf-8", errors="replace")).translate(CONTROL_ESCAPES)
+
+
+# A sampled byte may be any control character (backspace, NUL, an escape sequence's ESC): shown as \x08 and
+# the like, the sample stays one line of text that can neither drive the terminal nor break a log.
+CONTROL_ESCAPES = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}
 
 
 @contextlib.contextmanager
@@ -5750,8 +5803,9 @@ def describe_traffic(cfg: RunConfig, traffic: dict[str, tuple[float, float]]) ->
     unseen = [what for what, on in (("fully_shard", cfg.sharding == "full"), ("ZeroRedundancyOptimizer",
               cfg.sharding == "optimizer"), ("tensor parallelism", cfg.tp > 1), ("pipelining", cfg.pp > 1))
               if on and cfg.ddp == "torch"]  # fmt: skip
-    unseen_note = f" (and torch's {' and '.join(unseen)}, whose collectives it does not see)" if unseen else ""
-    return f"rank 0, per step: {shown or 'nothing'}{unseen_note}"
+    # Said first: after "nothing", a note reads as if torch's sharding sent nothing.
+    unseen_note = f"collectives of torch's {' and '.join(unseen)}: not counted (out of this script's sight); the rest: "
+    return f"rank 0, per step: {unseen_note if unseen else ''}{shown or 'nothing'}"
 
 
 def print_summary(cfg: RunConfig, d: Dist, result: TrainResult, wall_seconds: float, outputs: list[Path]) -> None:
@@ -5914,10 +5968,12 @@ class OutputLock:
 
     def __init__(self) -> None:
         self.file: io.TextIOWrapper | None = None  # open for the process's lifetime: the lock lives with it
+        self.made: list[Path] = []  # the folders hold() created, deepest first
 
     def hold(self, folder: Path) -> None:
         if self.file is not None:
             return
+        self.made = [p for p in (folder, *folder.parents) if not p.exists()]
         folder.mkdir(parents=True, exist_ok=True)
         f = open(folder / "run.lock", "a+", encoding="utf-8")  # noqa: SIM115 (held, not closed)
         try:
@@ -5943,6 +5999,20 @@ class OutputLock:
         f.write(f"host {socket.gethostname()}, pid {os.getpid()}, started {started}\n")
         f.flush()
         self.file = f
+
+    def release(self) -> None:
+        """At the run's end: a run that wrote nothing in its folder leaves nothing, neither its lock nor a
+        folder it made (a folder that existed before, or holds anything else, stays)."""
+        if self.file is None:
+            return
+        lock = Path(self.file.name)
+        with contextlib.suppress(OSError):  # Windows cannot remove an open file: it stays
+            if [p.name for p in lock.parent.iterdir()] == [lock.name]:
+                lock.unlink()  # while still held: no other run can have taken it meanwhile
+                for folder in self.made:  # rmdir stops at the first that holds anything
+                    folder.rmdir()
+        self.file.close()
+        self.file = None
 
 
 def lock_file(f: io.TextIOWrapper) -> None:
@@ -6612,6 +6682,16 @@ def report_failure(error: Exception, cfg: RunConfig | None, d: Dist | None) -> i
     return 1
 
 
+def refuse_missing_inputs(cfg: RunConfig) -> None:
+    """What each rank can find missing alone, refused as quickly as a bad flag: before the process group."""
+    if cfg.dataset:
+        datasets_library()
+    else:
+        check_readable(cfg.corpus_file)
+    if cfg.model == "hf":
+        local_model_folder(cfg.model_name_or_path)
+
+
 @record  # a rank's uncaught exception is written where torchrun can show it as the root cause
 def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
@@ -6622,6 +6702,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = d = None
     try:
         cfg = parse_args(argv)
+        refuse_missing_inputs(cfg)
         if cfg.nproc:
             raise SystemExit(launch_local_ranks(cfg, sys.argv[1:] if argv is None else list(argv)))
         d = setup_distributed(cfg)
@@ -6631,6 +6712,7 @@ def main(argv: list[str] | None = None) -> None:
     except (UsageError, TrainingError, RuntimeError) as e:
         raise SystemExit(report_failure(e, cfg, d)) from None
     finally:
+        OUTPUT_LOCK.release()
         teardown_distributed()
 
 

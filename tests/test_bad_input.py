@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import sys
 
 import pytest
 import torch
@@ -154,6 +155,14 @@ def test_bad_input_under_nproc_is_one_line_not_one_per_rank_and_the_launcher(tmp
     assert_one_clear_error(run, "corpus file not found", None)
 
 
+def test_a_run_refused_after_taking_its_output_folder_leaves_no_folder(tmp_path):
+    # An empty corpus is found once rank 0 holds the folder (run.lock): a run that wrote nothing leaves nothing.
+    empty, out = write(tmp_path / "e.txt", b"\n  \n"), tmp_path / "runs" / "refused"
+    run = launch([*TINY, "--nproc", "2", "--corpus-file", empty, "--output-dir", str(out)], timeout=280)
+    assert_one_clear_error(run, "no non-blank lines", None)
+    assert not (tmp_path / "runs").exists()
+
+
 def test_rank_variables_without_torchrun_and_no_peer_end_with_one_line_after_the_timeout(tmp_path):
     env = child_env({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
     run = launch([*TINY, "--max-steps", "1", "--timeout-s", "2", "--output-dir", str(tmp_path)], env=env, timeout=280)
@@ -292,6 +301,25 @@ def test_rank_variables_set_wrongly_without_torchrun_are_refused(env, expected, 
     run = run_main([*TINY, "--max-steps", "1"], monkeypatch, capsys, env)
     assert_one_clear_error(run, expected, None)
     assert run.returncode == 2
+
+
+MISSING_INPUTS = {
+    "corpus file": (["--corpus-file", "{tmp}/nope.txt"], "corpus file not found: {tmp}/nope.txt"),
+    "model folder": (["--model", "hf", "--model-name-or-path", "{tmp}/no_model"], "cannot load model: no folder"),
+    "datasets library": (["--model", "hf", "--dataset", "someone/chats"], "not installed here: pip install datasets"),
+}
+
+
+@pytest.mark.parametrize("missing", MISSING_INPUTS)
+def test_a_missing_input_is_refused_before_the_process_group_is_joined(missing, tmp_path, monkeypatch, capsys):
+    # Rank 0 of two whose peer never comes: joining would wait --timeout-s and fail to connect instead.
+    monkeypatch.setitem(sys.modules, "datasets", None)  # an import of it fails, as where it is not installed
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    flags, expected = MISSING_INPUTS[missing]
+    args = ["--cpu", "--timeout-s", "2", "--output-dir", str(tmp_path / "out"), *flags]
+    run = run_main([a.format(tmp=tmp_path) for a in args], monkeypatch, capsys, env)
+    assert_one_clear_error(run, expected.format(tmp=tmp_path), None)
+    assert run.returncode == 2 and "[connect]" not in run.output
 
 
 # No process at all.

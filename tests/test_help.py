@@ -85,6 +85,14 @@ def test_every_refusal_of_a_bad_value_keeps_its_wording(flag):
             assert str(refused.value) == expected, (flag, value)
 
 
+@pytest.mark.parametrize("flag", sorted(SNAPSHOT["refusals with --model hf"]))
+def test_every_refusal_of_a_tiny_model_flag_with_model_hf_keeps_its_wording(flag):
+    for value, expected in SNAPSHOT["refusals with --model hf"][flag].items():
+        with pytest.raises(t.UsageError) as refused:
+            t.parse_args(["--model", "hf", flag, value])
+        assert str(refused.value) == expected, (flag, value)
+
+
 def test_a_misspelt_flag_is_refused_with_the_flag_it_most_likely_meant():
     for typo in ("--max-step", "--max-stpes"):
         with pytest.raises(t.UsageError, match=f"unrecognized arguments: {typo} 3; did you mean --max-steps\\?$"):

@@ -1,6 +1,8 @@
-"""The pieces a learner reads first: the causal model, the byte examples, the sampler shards."""
+"""The pieces a learner reads first: the causal model, the byte examples, the sampler shards, the sample line."""
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -76,3 +78,39 @@ def test_sampler_shards_are_disjoint_and_cover_the_data():
 
 def test_sampler_reshuffles_each_epoch():
     assert shard_indices(50, 2, 4, epoch=0)[0] != shard_indices(50, 2, 4, epoch=1)[0]
+
+
+def test_the_lean_sampler_hands_out_torchs_order_for_every_shuffle_drop_last_size_seed_and_epoch():
+    # Importable from a learner's own script: it must be torch's DistributedSampler for every argument,
+    # padding included (without drop_last torch repeats indices from the start to fill the last round).
+    sizes, worlds, flags, seeds = [*range(14), 97, 1_003], range(1, 5), (True, False), (0, 1337)
+    for n, world, shuffle, drop_last, seed in itertools.product(sizes, worlds, flags, flags, seeds):
+        for rank in range(world):
+            kw = dict(num_replicas=world, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+            ours, torchs = t.LeanDistributedSampler(range(n), **kw), torch.utils.data.DistributedSampler(range(n), **kw)
+            for epoch in range(3):
+                ours.set_epoch(epoch)
+                torchs.set_epoch(epoch)
+                assert list(ours) == list(torchs) and len(ours) == len(torchs), (n, kw, epoch)
+
+
+class Scripted(torch.nn.Module):
+    """A byte model that samples the bytes of its script, one a step, after "\\n" and the prompt."""
+
+    def __init__(self, prompt: str, script: bytes) -> None:
+        super().__init__()
+        self.before, self.script = 1 + len(prompt.encode()), script
+        self.config = t.TinyConfig(seq_len=64)
+        self.device_of = torch.nn.Parameter(torch.zeros(()))  # generate_bytes takes its device from a parameter
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits = torch.full((1, ids.shape[1], 256), -1e4)
+        logits[0, -1, self.script[ids.shape[1] - self.before]] = 0.0
+        return logits
+
+
+def test_a_byte_sample_shows_control_characters_as_escapes_on_one_line():
+    # Backspace, NUL, DC1, ESC, DEL, C1's NEL (U+0085, two bytes of UTF-8), a carriage return, then the line's end.
+    script = b"a\x08b\x00\x11\x1b[2J\x7f\xc2\x85\xc3\xa9\rz\n"
+    sample = t.generate_bytes(Scripted("Hi", script), "Hi", max_new=64, seed=0)
+    assert sample == "Hia\\x08b\\x00\\x11\\x1b[2J\\x7f\\x85\u00e9\\x0dz"

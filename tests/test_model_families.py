@@ -332,6 +332,18 @@ def test_pretrained_model_flags_on_the_tiny_model_are_refused_in_one_line(one_pr
     assert not (one_process.out(job) / "tiny_transformer.pt").exists()
 
 
+def test_tiny_model_flags_typed_with_a_pretrained_model_are_refused_in_one_line_naming_them():
+    # The pretrained model's shape comes from its weights: typed, --d-model and the rest would be ignored.
+    typed = ["--model", "hf", "--d-model", "64", "--n-heads=2", "--n-layers", "3", "--dropout", "0.1"]
+    with pytest.raises(t.UsageError) as refused:
+        t.parse_args(typed)
+    assert str(refused.value) == (
+        "--d-model 64, --n-heads 2, --n-layers 3 and --dropout 0.1 are for the tiny model (--model tiny); "
+        "a pretrained model would ignore them: leave them out"
+    )
+    t.parse_args(["--model", "hf", "--seq-len", "64"])  # their defaults are not typed: nothing to refuse
+
+
 def test_qwen_stays_a_spelling_of_hf_and_its_checkpoints_resume_under_hf():
     assert t.parse_args(["--model", "qwen"]).model == t.parse_args(["--model", "hf"]).model == "hf"
     assert t.parse_args(["--model", "qwen", "--lora-r", "4"]).lora_r == 4, "its flags are welcome"

@@ -128,3 +128,22 @@ def test_a_filesystem_without_locks_gets_a_warning_not_a_refusal(tmp_path, monke
     monkeypatch.setattr(t, "lock_file", no_locks_here)
     t.OutputLock().hold(tmp_path)
     assert "warning: cannot lock" in capsys.readouterr().out
+
+
+def test_a_run_that_wrote_nothing_leaves_neither_its_lock_nor_the_folders_it_made(tmp_path):
+    lock = t.OutputLock()
+    lock.hold(tmp_path / "runs" / "x")
+    lock.release()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_folder_that_existed_before_or_holds_anything_else_stays(tmp_path):
+    existed, written = tmp_path / "existed", tmp_path / "written"
+    existed.mkdir()
+    for folder in (existed, written):
+        lock = t.OutputLock()
+        lock.hold(folder)
+        if folder == written:
+            (written / "metrics.jsonl").write_text("{}\n")
+        lock.release()
+    assert list(existed.iterdir()) == [] and sorted(p.name for p in written.iterdir()) == ["metrics.jsonl", "run.lock"]

@@ -30,6 +30,8 @@ from conftest import TINY, Run, assert_bitwise_equal, assert_ok, checkpoint, max
 from in_process import run_main
 from parallelism_worker import probe_facts, run_jobs
 
+import llm_ddp_parallel_training as t
+
 # Two blocks: a pipeline of 2 stages needs one block each. Two micro-batches a step: a pipeline's
 # micro-batches are the step's --grad-accum-steps.
 SPLIT = [*TINY, "--n-layers", "2", "--batch-size", "2", "--grad-accum-steps", "2"]
@@ -572,6 +574,16 @@ def assert_one_clear_error(run: Run, expected: str) -> None:
 def test_a_split_that_cannot_work_is_refused_in_one_line(case, tmp_path, monkeypatch, capsys):
     flags, expected = REFUSED[case]
     assert_one_clear_error(run_main([*TINY, "--output-dir", str(tmp_path), *flags], monkeypatch, capsys), expected)
+
+
+def test_a_trace_of_torchs_split_is_refused_saying_that_manual_ddp_traces_its_own():
+    # Not "shows and compresses", the words of the compression refusal: the trace has nothing to compress.
+    with pytest.raises(t.UsageError) as refused:
+        t.parse_args([*TINY, "--tp", "2", "--trace-steps", "2"])
+    assert str(refused.value) == (
+        "--trace-steps with --tp 2 --ddp torch: torch's split runs its collectives out of this script's sight; "
+        "--ddp manual traces its own"
+    )
 
 
 def test_pp_with_a_pretrained_model_is_refused_in_one_line(tiny_qwen, tmp_path, monkeypatch, capsys):

@@ -13,6 +13,7 @@ import json
 import resource
 import subprocess
 
+import huggingface_hub
 import pytest
 import torch
 from conftest import assert_ok, child_env, run_cmd, torchrun_cmd
@@ -129,6 +130,21 @@ def test_saved_adapter_reloads_with_the_trained_logits_and_the_base_is_untouched
         again = peft.PeftModel.from_pretrained(base, tmp_path / "qwen_lora").eval()(input_ids=batch).logits
     print(f"adapter round trip: max |logit difference| = {(trained - again).abs().max().item():.3g}")
     assert torch.equal(trained, again)
+
+
+def test_an_adapter_trained_on_a_relative_model_folder_loads_with_its_base_from_any_folder(
+    tiny_qwen, tmp_path, monkeypatch, corpus_lines
+):
+    # PEFT records the base as it was loaded: here "tiny_qwen0", which from elsewhere names no folder (and
+    # AutoPeftModelForCausalLM would look for it on the Hub).
+    monkeypatch.chdir(tiny_qwen.parent)
+    cfg = t.parse_args(qwen_args(tiny_qwen.name, tmp_path / "out"))
+    kit = t.build_pretrained_kit(cfg, t.setup_distributed(cfg), [t.Record(text=line) for line in corpus_lines], [])
+    kit.save_final(kit.model, 0)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # offline, like the launched runs
+    adapter = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "out" / "qwen_lora")
+    assert adapter.peft_config["default"].base_model_name_or_path == str(tiny_qwen.resolve())
 
 
 @pytest.mark.parametrize("job, nproc", [("hub_typo", 2), ("no_such_model", None)])

@@ -44,6 +44,8 @@ from conftest import (
 )
 from fault_helpers import signal_at_step
 
+import llm_ddp_parallel_training as t
+
 REFERENCE = ("none", "torch")
 SHARDED = [("optimizer", "torch"), ("optimizer", "manual"), ("full", "torch"), ("full", "manual")]
 STRATEGIES = [("none", "manual"), *SHARDED]  # manual DDP beside them: it too must not move a bit
@@ -305,6 +307,15 @@ def test_optimizer_sharding_stops_on_sigterm_with_a_checkpoint_and_the_same_comm
 # ----------------------------------------------------------------------------------------------
 # One process, and what full sharding refuses
 # ----------------------------------------------------------------------------------------------
+
+
+def test_the_collectives_row_says_first_that_torchs_fully_shard_is_not_counted():
+    # Last, after "nothing", the note read as if fully_shard sent nothing.
+    row = t.describe_traffic(t.parse_args(["--sharding", "full"]), {})
+    assert row == (
+        "rank 0, per step: collectives of torch's fully_shard: not counted (out of this script's sight); the rest: "
+        "nothing"
+    )
 
 
 def test_one_process_with_sharding_says_there_is_nothing_to_shard_and_trains(one_process_runs):

@@ -1,11 +1,13 @@
 """The token cache across runs and processes: a second run reuses it and trains identically; a
 damaged file is rebuilt, never trained on; a build killed or stopped midway leaves nothing a later run
-loads; two runs building the same cache at once both succeed; a machine that cannot see rank 0's cache
+loads, and the next build on its machine removes a killed build's folder; two runs building the same cache
+at once both succeed, also when they race for a damaged cache's place; a machine that cannot see rank 0's cache
 builds its own; memory per rank does not grow with --seq-len; a disk that fills mid-build is one line
 and leaves nothing; the tiny path never imports datasets.
 
 What runs on the cache shares two plain-process launches (one_process); the kills, the concurrent
-builds, the two machines, the full disk and the tiny path's imports are processes of their own.
+builds, the two machines, the full disk and the tiny path's imports are processes of their own; the
+leftover folders and the race are build_cache called here.
 What the cache holds, its key, and its refusals on two ranks: tests/test_token_cache.py."""
 
 from __future__ import annotations
@@ -14,17 +16,22 @@ import json
 import os
 import re
 import resource
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import SCRIPT, TINY, assert_ok, child_env, free_port, run_cmd, torchrun_cmd
 from shared_launch import Shared, share
 from test_token_cache import cache_line, caches, hf, same_weights, varied_conversations, write_jsonl
+
+import llm_ddp_parallel_training as t
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +179,45 @@ def test_two_runs_building_the_same_cache_at_once_both_succeed(tmp_path):
     assert all("[cache] built" in out or "[cache] reused" in out for out in outputs)
     assert caches(tmp_path / "cache") == [next(iter(caches(tmp_path / "cache")))], "one cache, no leftovers"
     assert same_weights(tmp_path / "out0/tiny_transformer.pt", tmp_path / "out1/tiny_transformer.pt")
+
+
+def a_small_build(sink: t.ArraySink) -> dict:
+    sink.append("stream", np.frombuffer(b"\nsome text\n", dtype=np.uint8))
+    return {"records": 1}
+
+
+def test_the_next_build_on_a_machine_removes_the_folders_of_builds_killed_there(tmp_path):
+    # A build killed outright (SIGKILL) runs no cleanup: its folder is named for its machine and process.
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True)
+    host = socket.gethostname()
+    left = {
+        "killed here": f".tokens-0a1b.tmp-{host}-{int(gone.stdout)}",
+        "alive here": f".tokens-0a1b.tmp-{host}-{os.getppid()}",  # pytest's parent lives
+        "another machine's": f".tokens-0a1b.tmp-{host}-2-{int(gone.stdout)}",  # host "{host}-2"
+    }
+    for name in left.values():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "ids.bin").write_bytes(b"half a build")
+    t.build_cache(t.parse_args(["--cache-dir", str(tmp_path)]), tmp_path / "bytes-0a1b", "key", a_small_build)
+    assert caches(tmp_path) == sorted([left["alive here"], left["another machine's"], "bytes-0a1b"])
+
+
+def test_a_build_that_loses_the_race_for_a_damaged_caches_place_uses_the_cache_that_won(tmp_path, monkeypatch):
+    cfg, cache = t.parse_args(["--cache-dir", str(tmp_path / "cache")]), tmp_path / "cache" / "bytes-0a1b"
+    t.build_cache(cfg, tmp_path / "winner", "key", a_small_build)
+    cache.mkdir(parents=True)
+    (cache / "meta.json").write_text("damaged")
+    rename = os.rename
+
+    def another_build_finishes_between(src, dst) -> None:
+        rename(src, dst)
+        if Path(src) == cache:  # this build took the damaged cache aside; the other renames its cache in first
+            shutil.copytree(tmp_path / "winner", cache)
+
+    monkeypatch.setattr(t.os, "rename", another_build_finishes_between)
+    t.build_cache(cfg, cache, "key", a_small_build)
+    assert t.cache_problem(cache, "key") is None
+    assert caches(cache.parent) == ["bytes-0a1b"], "no leftovers"
 
 
 def test_a_machine_that_cannot_see_rank_0s_cache_builds_its_own(tmp_path):

@@ -44,9 +44,7 @@ def run_job(args: list[str], d: t.Dist) -> int:
     except (t.UsageError, t.TrainingError, RuntimeError) as e:
         return t.report_failure(e, cfg, d)
     finally:
-        if t.OUTPUT_LOCK.file is not None:  # the next job writes into another folder: let this one go
-            t.OUTPUT_LOCK.file.close()
-            t.OUTPUT_LOCK.file = None
+        t.OUTPUT_LOCK.release()  # as main() does; the next job writes into another folder
 
 
 def main(jobs_file: str, results_dir: str) -> None:
