@@ -9,7 +9,8 @@ torch's DDP, torch's ZeRO-1 and torch's FSDP with plain SGD, which keeps no opti
 `--ddp manual` must equal torch's DDP bitwise at 3 and 4 ranks, with several buckets.
 All in shared launches (conftest.run_jobs): a resume is a job that starts from another job's
 checkpoint, as a restarted process does; one real kill and torchrun restart at 4 ranks checks that
-the two are the same thing.
+the two are the same thing. (The from-scratch wrappers resumed bitwise at any world size already: their
+layout never changes.)
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from conftest import TINY, assert_bitwise_equal, assert_ok, checkpoint, run_cmd,
 
 # AdamW with a high lr: the optimizer that shows a last-bit difference; dropout: every rank's own stream.
 ADAMW = [*TINY, "--optimizer", "adamw", "--lr", "0.05", "--dropout", "0.1", "--bucket-mb", "0.02"]
-RUN = [*ADAMW, "--max-steps", "12", "--save-every", "4", "--keep-last", "3", "--log-every", "4"]
+RUN = [*ADAMW, "--max-steps", "8", "--save-every", "4", "--keep-last", "2", "--log-every", "4"]
 FSDP_SGD = [*TINY, "--sharding", "full", "--optimizer", "sgd", "--lr", "0.5", "--max-steps", "8", "--save-every", "4"]
 
 
@@ -32,16 +33,13 @@ def resumed(args: list[str], out: Path, step: int) -> list[str]:
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("four-ranks")
-    out = {name: root / name for name in ["ddp", "ddp-resumed", "manual", "manual-resumed", "zero1",
-                                          "zero1-resumed", "fsdp-sgd", "fsdp-sgd-resumed"]}  # fmt: skip
+    names = ["ddp", "ddp-resumed", "manual", "zero1", "zero1-resumed", "fsdp-sgd", "fsdp-sgd-resumed"]
+    out = {name: root / name for name in names}
     zero1 = [*RUN, "--sharding", "optimizer"]
     jobs = {  # in order: a resumed job starts from the checkpoint its predecessor wrote
         "ddp": [*RUN, "--output-dir", str(out["ddp"])],
         "ddp-resumed": resumed([*RUN, "--output-dir", str(out["ddp-resumed"])], out["ddp"], 4),
         "manual": [*RUN, "--ddp", "manual", "--output-dir", str(out["manual"])],
-        "manual-resumed": resumed(
-            [*RUN, "--ddp", "manual", "--output-dir", str(out["manual-resumed"])], out["manual"], 8
-        ),
         "zero1": [*zero1, "--output-dir", str(out["zero1"])],
         "zero1-resumed": resumed([*zero1, "--output-dir", str(out["zero1-resumed"])], out["zero1"], 4),
         "fsdp-sgd": [*FSDP_SGD, "--output-dir", str(out["fsdp-sgd"])],
@@ -53,7 +51,7 @@ def four_ranks(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-@pytest.mark.parametrize("layout", ["ddp", "manual", "zero1", "fsdp-sgd"])
+@pytest.mark.parametrize("layout", ["ddp", "zero1", "fsdp-sgd"])
 def test_a_resume_at_four_ranks_lands_bitwise_on_the_uninterrupted_run(four_ranks, layout):
     assert_bitwise_equal(weights(four_ranks[layout]), weights(four_ranks[f"{layout}-resumed"]))
 
@@ -63,11 +61,11 @@ def test_manual_ddp_equals_torch_ddp_bitwise_at_four_ranks_with_adamw_and_severa
 
 
 def test_a_killed_worker_at_four_ranks_is_restarted_and_resumes_bitwise(four_ranks, tmp_path):
-    cmd = torchrun_cmd(4, [*RUN, "--output-dir", str(tmp_path), "--inject-fault", "2:7"],
+    cmd = torchrun_cmd(4, [*RUN, "--output-dir", str(tmp_path), "--inject-fault", "2:6"],
                        ["--standalone", "--max-restarts=1"])  # fmt: skip
     run = run_cmd(cmd, timeout=300)
     assert_ok(run)
-    assert "injected 'kill' at step 7" in run.stderr and "step_00000004" in run.stdout
+    assert "injected 'kill' at step 6" in run.stderr and "step_00000004" in run.stdout
     assert_bitwise_equal(weights(four_ranks["ddp"]), weights(tmp_path))
 
 
