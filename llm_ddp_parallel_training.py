@@ -207,7 +207,7 @@ TINY_GROUP = "tiny model"
 @dataclass(frozen=True)
 class RunConfig:
     """Every setting of one run, fixed for its whole life and the same on every rank. Each field is
-    a flag (--seq-len for seq_len); parse_args (section 9) fills them from the command line. A
+    a flag (--seq-len for seq_len); parse_args fills them from the command line. A
     default of None is decided once the rest is known, as its help says."""
 
     model: str = flag("tiny", "tiny: a byte-level Transformer from scratch; hf: a pretrained causal LM from the "
@@ -353,8 +353,8 @@ class Dist:
     why: str  # the reason for the backend/device choice, printed at start
     control: dist.ProcessGroup | None = None  # Gloo group for host numbers under NCCL (None: the default group)
     store: dist.Store | None = None  # the rendezvous key-value store the ranks met in
-    launch: str | None = None  # this torchrun launch, the same in all its restarts (launch_token, section 10)
-    # Model splitting (section 8) lays the ranks out as a grid: dp replicas x pp stages x tp slices,
+    launch: str | None = None  # this torchrun launch, the same in all its restarts (launch_token)
+    # Model splitting (split_model) lays the ranks out as a grid: dp replicas x pp stages x tp slices,
     # rank = (dp_rank x pp + pp_rank) x tp + tp_rank, so a tensor-parallel group is neighbouring ranks.
     tp: int = 1
     pp: int = 1
@@ -444,7 +444,7 @@ def setup_distributed(cfg: RunConfig) -> Dist:
         use_cuda = torch.cuda.is_available() and not cfg.cpu
         device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
         return Dist(0, 0, 1, 1, device, None, "not launched by torchrun: one process, no process group")
-    rank, world, local_rank, local_world = rank_facts_from_env()  # checked (section 10)
+    rank, world, local_rank, local_world = rank_facts_from_env()  # checked there
     backend, device, why = choose_backend_and_device(cfg, local_rank, local_world)
     if "TORCHELASTIC_RUN_ID" not in os.environ and local_rank == 0:  # a hand-made launch: say what it waits for
         where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
@@ -455,7 +455,7 @@ def setup_distributed(cfg: RunConfig) -> Dist:
     # instead of hanging it.
     timeout = timedelta(seconds=cfg.timeout_s)
     try:
-        # torchrun's agent already hosts a key-value store the ranks can meet in (section 10); without
+        # torchrun's agent already hosts a key-value store the ranks can meet in (rendezvous_store); without
         # one (None), init_process_group builds its own from MASTER_ADDR and MASTER_PORT.
         agent_store, launch = rendezvous_store(timeout)
         dist.init_process_group(
@@ -479,7 +479,7 @@ def setup_distributed(cfg: RunConfig) -> Dist:
 
 
 def laid_out(d: Dist, cfg: RunConfig) -> Dist:
-    """The ranks as a grid of dp replicas x pp stages x tp slices (section 8), when the model is split."""
+    """The ranks as a grid of dp replicas x pp stages x tp slices (split_model), when the model is split."""
     if cfg.tp * cfg.pp == 1 or not d.distributed:
         return d
     if d.world_size % (cfg.tp * cfg.pp):
@@ -638,7 +638,7 @@ class CausalSelfAttention(nn.Module):
         self.head_dim, self.dropout = c.d_model // c.n_heads, c.dropout
         self.qkv = nn.Linear(c.d_model, 3 * c.d_model, bias=False)
         self.proj = nn.Linear(c.d_model, c.d_model, bias=False)
-        self.own_dropout = contextlib.nullcontext  # tensor parallelism (section 8): its own heads, its own mask
+        self.own_dropout = contextlib.nullcontext  # TensorParallel: its own heads, its own mask
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -682,7 +682,7 @@ class TinyTransformer(nn.Module):
                 nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # A pipeline stage (section 8) is this model with the other stages' parts taken out: only the
+        # A pipeline stage (Pipeline) is this model with the other stages' parts taken out: only the
         # first embeds token ids, only the last ends in the head; the others pass hidden states on.
         if self.tok_emb is not None:
             x = self.drop(self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device)))
@@ -708,10 +708,10 @@ class ModelKit:
     flops_per_token: float  # training FLOPs per token, for MFU
     describe: str
     data_report: str = ""  # what became of the records on the way to examples
-    loss_module: nn.Module | None = None  # what DDP wraps and `loss` runs, if not the model (LeanHeadLoss, section 12)
+    loss_module: nn.Module | None = None  # what DDP wraps and `loss` runs, if not the model (LeanHeadLoss)
     blocks: list[nn.Module] = field(default_factory=list)  # the Transformer blocks: FSDP's units
     reload: Callable[[Path], nn.Module] | None = None  # save_final's output read back, as a plain model
-    split: object | None = None  # a model that arrives split, as transformers' tp_plan loads it (section 12)
+    split: object | None = None  # a model that arrives split, as transformers' tp_plan loads it (PlannedTensorParallel)
 
     @property
     def trained(self) -> nn.Module:
@@ -722,7 +722,7 @@ def build_tiny_kit(cfg: RunConfig, d: Dist, lines: Lines, val_lines: Lines) -> M
     config = TinyConfig(
         seq_len=cfg.seq_len, d_model=cfg.d_model, n_heads=cfg.n_heads, n_layers=cfg.n_layers, dropout=cfg.dropout
     )
-    check_model_fits(tiny_parameter_count(config), d)  # a clear refusal, not an allocation error (section 12)
+    check_model_fits(tiny_parameter_count(config), d)  # a clear refusal, not an allocation error
     # Same seed on every rank: the replicas start identical. (DDP would also broadcast rank
     # 0's weights when it wraps the model, but equal seeds make single-process runs match.)
     torch.manual_seed(cfg.seed)
@@ -821,12 +821,12 @@ class CommStats:
 class Replicas:
     """What a model wrapper answers for the rest of the script, which never asks what kind of model
     it holds: here, as every rank holding all the weights answers (one process, DDP, ZeRO-1's
-    weights), or its slice of them under tensor parallelism (`split`, section 8). The sharded
-    wrappers of section 7 and the pipeline of section 8 answer otherwise; the work is in section 13."""
+    weights), or its slice of them under tensor parallelism (`split`: TensorParallel). The sharded
+    wrappers (ManualFSDP, TorchFSDP) and the Pipeline answer otherwise, from rank0_optimizer_state and its kin."""
 
     gathers_in_forward = False  # a forward is a collective every rank must join (FSDP)
     all_reduces_buckets = True  # gradients travel in DDP's buckets (not FSDP's, nor a split model's alone)
-    split: WholeModel  # how the model is split across the ranks of one replica (section 8)
+    split: WholeModel  # how the model is split across the ranks of one replica (split_model)
 
     def forward_backward(self, micro_batches: list[tuple], scales: list[float], micro: MicroStep) -> torch.Tensor:
         """The step's micro-batches through forward and backward; returns their loss, summed. The
@@ -937,6 +937,9 @@ class Wrapper(Replicas, nn.Module):
         return self.module(*args, **kwargs)
 
 
+DDP_TAKES = inspect.signature(DDP.__init__).parameters
+
+
 def wrap_data_parallel(model: nn.Module, cfg: RunConfig, d: Dist, stats: CommStats,
                        split: WholeModel | None = None) -> nn.Module:  # fmt: skip
     if not d.distributed or (split and d.dp == 1):
@@ -958,16 +961,11 @@ def wrap_data_parallel(model: nn.Module, cfg: RunConfig, d: Dist, stats: CommSta
         gradient_as_bucket_view=True,
         # Buffers never change here (Qwen's rotary frequencies are fixed), so there is nothing
         # to re-send from rank 0 before every forward (torch 2.13 renamed the switch).
-        **no_buffer_sync_before_forward(),
+        **{"forward_sync_buffers" if "forward_sync_buffers" in DDP_TAKES else "broadcast_buffers": False},
     )
     ddp.register_comm_hook(stats, counting_allreduce_hook)
     ddp.split = split or WholeModel()
     return ddp
-
-
-def no_buffer_sync_before_forward() -> dict[str, bool]:
-    takes = inspect.signature(DDP.__init__).parameters
-    return {"forward_sync_buffers": False} if "forward_sync_buffers" in takes else {"broadcast_buffers": False}
 
 
 def counting_allreduce_hook(stats, bucket):  # no annotations: DDP checks them, and rejects strings
@@ -1001,6 +999,13 @@ class Bucket:
     wire: torch.Tensor | None = None  # what travels: flat itself, or its bf16 copy
 
 
+def start_equal(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """The group's first rank's parameters and buffers, broadcast to the others, as DDP does when it wraps."""
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(t, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+
+
 class ManualDDP(Wrapper):
     """Data parallelism from scratch: what torch's DDP does for us, in plain Python.
 
@@ -1011,7 +1016,7 @@ class ManualDDP(Wrapper):
        when a bucket's last gradient arrives, it is divided by the world size (a sum of averages
        cannot overflow) and its all-reduce starts asynchronously, overlapping the rest of backward.
     4. finish_gradient_sync(): wait for every bucket, copy the averages back into .grad.
-    Under model splitting (section 8) the replicas are the ranks of the data-parallel group.
+    Under model splitting (split_model) the replicas are the ranks of the data-parallel group.
     """
 
     def __init__(self, module: nn.Module, d: Dist, bucket_mb: float, stats: CommStats,
@@ -1019,9 +1024,7 @@ class ManualDDP(Wrapper):
         super().__init__(module, split)
         self.world_size, self.stats, self.group = d.dp, stats, d.group("dp")
         self.all_reduces_buckets = True
-        with torch.no_grad():
-            for t in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(t, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
+        start_equal(module, self.group)
         self.buckets: list[Bucket] = []
         self.place: dict[nn.Parameter, tuple[Bucket, int]] = {}
         groups: list[list[nn.Parameter]] = [[]]
@@ -1035,7 +1038,7 @@ class ManualDDP(Wrapper):
             # A post-accumulate hook runs once the gradient is fully summed into p.grad for this
             # backward. It receives the *parameter*, not the gradient: reading p.grad is right,
             # all-reducing p itself would average the weights (picotron#39).
-            p.register_post_accumulate_grad_hook(self._gradient_ready)
+            p.register_post_accumulate_grad_hook(self.gradient_ready)
 
     def _add_bucket(self, params: list[nn.Parameter]) -> None:
         sizes = [p.numel() for p in params]
@@ -1046,7 +1049,7 @@ class ManualDDP(Wrapper):
         for p, offset in zip(params, offsets, strict=True):
             self.place[p] = (bucket, offset)
 
-    def _gradient_ready(self, p: nn.Parameter) -> None:
+    def gradient_ready(self, p: nn.Parameter) -> None:
         if not self.require_sync:
             return  # inside no_sync(): the gradient stays in p.grad and keeps accumulating there
         bucket, offset = self.place[p]
@@ -1113,7 +1116,7 @@ def loss_scale(cfg: RunConfig, d: Dist, micro_tokens: int, global_tokens: float)
 class MicroStep:
     """One micro-batch's forward and backward, as every layout runs them (forward_backward): under
     autocast, the loss as the model kit computes it, backward through fp16's GradScaler when there
-    is one, each phase marked for the timers (section 15)."""
+    is one, each phase marked for the timers (SideWork.mark)."""
 
     kit: ModelKit
     precision: str
@@ -1138,18 +1141,12 @@ def lr_at(cfg: RunConfig, step: int) -> float:
 
     A pure function of the step, identical on every rank, so it needs no saved state.
     """
-    warmup = warmup_steps(cfg)  # --warmup-steps, or a tenth of the run if it is over half of it (section 15)
+    warmup = warmup_steps(cfg)  # --warmup-steps, or a tenth of the run if it is over half of it
     if step <= warmup:
         return cfg.lr * step / warmup
     peak = max(warmup, 1)  # the step that trains at the full rate, where the decay starts
     done = (step - peak) / max(1, cfg.max_steps - peak)
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(done, 1.0)))
-
-
-def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> float:
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    return lr
 
 
 def make_optimizer(cfg: RunConfig, d: Dist, params: list[nn.Parameter], stats: CommStats) -> torch.optim.Optimizer:
@@ -1209,10 +1206,10 @@ class TrainResult:
 def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings: dict) -> TrainResult:
     """The loop: each rank's slice, one small all-reduce before backward, k-1 micro-steps in no_sync,
     backward (the bucket all-reduces), finish_gradient_sync, clip, step. Around it, at fixed points,
-    the side work of section 15 (timers, faults, checks), the reports of 16, the checkpoints of 17."""
+    SideWork (timers, faults, checks), Reporter (the reports) and StateSaver (the checkpoints)."""
     loader, sampler = make_train_loader(kit.train, cfg, d)
     stats = CommStats(kit.model, compress=cfg.grad_compression == "bf16")
-    split = split_model(kit, cfg, d, stats)  # tensor parallelism (section 8) makes new parameters: before any hook
+    split = split_model(kit, cfg, d, stats)  # tensor parallelism makes new parameters: before any hook
     side = SideWork(cfg, d, kit, stats, resume["progress"]["step"] if resume else 0)  # its hooks run first
     model = wrap_model(kit, cfg, d, stats, split)
     named_params = trainable_parameters(kit.model)  # again: torch's fully_shard replaces every parameter
@@ -1249,9 +1246,11 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
             stopped_by = signal.Signals(STOP.signal).name if STOP.signal else "another rank's signal"
             break
         side.mark("sync")
-        lr = set_learning_rate(optimizer, lr_at(cfg, step))
-        # Forward and backward for each micro-batch (section 5: k-1 of them inside no_sync(), the
-        # last one's backward all-reducing the sum), or through a pipeline's schedule (section 8).
+        lr = lr_at(cfg, step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        # Forward and backward for each micro-batch (Replicas.forward_backward: k-1 inside no_sync(), the
+        # last one's backward all-reducing the sum), or through a pipeline's schedule (Pipeline).
         scales = [loss_scale(cfg, d, n, global_tokens) for n in micro_tokens]
         loss_sum = model.forward_backward(micro_batches, scales, micro)
         model.finish_gradient_sync()
@@ -1473,9 +1472,7 @@ class ManualFSDP(Wrapper):
     ) -> None:
         super().__init__(module)
         self.world, self.rank, self.param_dtype = d.world_size, d.rank, param_dtype
-        with torch.no_grad():  # start equal, as DDP does
-            for t in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(t, src=0)
+        start_equal(module)
         owner = innermost_units(module, units)
         self.units = []
         for u in units:
@@ -1781,9 +1778,7 @@ class TorchFSDP(Wrapper):
             self.module.set_requires_gradient_sync(True)
 
     def clip_gradients(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-        if isinstance(self.split, TensorParallel):  # slices and whole tensors on two meshes: summed by hand
-            return self.split.clip_gradients(params, max_norm, dp_sharded=self.gathers_in_forward)
-        return super().clip_gradients(params, max_norm).full_tensor()  # torch summed the shards' squares
+        return self.split.clip_gradients(params, max_norm, dp_sharded=self.gathers_in_forward)
 
     def full_state(self, model: nn.Module, rank0: bool, trainable: bool = False) -> dict[str, torch.Tensor]:
         """model's state_dict whole: on rank 0's CPU alone (rank0), or on every rank."""
@@ -1791,11 +1786,7 @@ class TorchFSDP(Wrapper):
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=rank0, ignore_frozen_params=trainable)
         state = get_model_state_dict(model, options=options)
-        return {n: self.model_order(n, t) for n, t in state.items()}
-
-    def model_order(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """Under tensor parallelism torch's whole q, k, v weight is in rank order: back in the model's."""
-        return self.split.to_model_order(name, t) if isinstance(self.split, TensorParallel) else t
+        return {n: self.split.to_model_order(n, t) for n, t in state.items()}
 
     def whole_optimizer_state(self, optimizer: torch.optim.Optimizer, names: list[str], rank0: bool) -> dict:
         """The optimizer's state whole, as a plain optimizer's state_dict() numbers its parameters."""
@@ -1805,7 +1796,8 @@ class TorchFSDP(Wrapper):
         state = get_optimizer_state_dict(self.named, optimizer, options=options)
         if not state:  # with cpu_offload, only rank 0 gets it
             return {}
-        moments = {n: {k: self.model_order(n, v) if torch.is_tensor(v) and v.dim() else v for k, v in s.items()}
+        order = self.split.to_model_order
+        moments = {n: {k: order(n, v) if torch.is_tensor(v) and v.dim() else v for k, v in s.items()}
                    for n, s in state["state"].items()}  # fmt: skip
         return renumber({**state, "state": moments}, number(names))
 
@@ -1818,12 +1810,10 @@ class TorchFSDP(Wrapper):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
         by_name = renumber(state, dict(enumerate(n for n, _ in named_params)))
-        if isinstance(self.split, TensorParallel):  # torch's q, k, v slices are taken from a rank-ordered whole
-            fused = {n for n, (_, parts) in self.split.cuts.items() if parts == 3}
-            order = functools.partial(rank_order, parts=3, n=self.split.n)
-            weights = {n: order(t) if n in fused else t for n, t in weights.items()}
-            by_name["state"] = {n: {k: order(v) if n in fused and torch.is_tensor(v) and v.dim() else v
-                                    for k, v in s.items()} for n, s in by_name["state"].items()}  # fmt: skip
+        order = self.split.to_rank_order  # torch's q, k, v slices are taken from a rank-ordered whole
+        weights = {n: order(n, t) for n, t in weights.items()}
+        by_name["state"] = {n: {k: order(n, v) if torch.is_tensor(v) and v.dim() else v for k, v in s.items()}
+                            for n, s in by_name["state"].items()}  # fmt: skip
         options = StateDictOptions(full_state_dict=True, strict=False)  # LoRA: the adapters alone
         if not state["state"]:  # plain SGD keeps none, and set_state_dict then finds no device to put it on
             set_model_state_dict(self.named, weights, options=options)
@@ -1909,7 +1899,7 @@ def shard_fully(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats, split:
 # ----------------------------------------------------------------------------------------------
 
 
-# Sharding (section 7) still computes every layer whole on every rank: it only stores less. Model
+# Sharding (ManualFSDP) still computes every layer whole on every rank: it only stores less. Model
 # splitting computes less on each rank. Tensor parallelism (Shoeybi et al. 2019, Megatron-LM) cuts
 # each block's matrices across a group of ranks, so every rank computes a slice of every block;
 # pipeline parallelism (Huang et al. 2019, GPipe; Narayanan et al. 2019, 1F1B) gives each rank a run
@@ -1919,7 +1909,7 @@ def shard_fully(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats, split:
 
 class WholeModel:
     """How one replica's model lies across its ranks: whole on each, as without model splitting.
-    The wrappers (section 5) ask their split what to gather, cut, count and clip."""
+    The wrappers (ManualDDP, TorchDDP, the FSDPs) ask their split what to gather, cut, count and clip."""
 
     loss_share = 1.0  # how much of this rank's loss counts in the global sum
 
@@ -1934,11 +1924,17 @@ class WholeModel:
         """This rank's piece of a whole value of parameter `name` (shaped as `like`, when given)."""
         return value
 
-    def clip_gradients(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    def to_model_order(self, name: str, whole: torch.Tensor) -> torch.Tensor:
+        return whole  # gathered from slices, a fused weight comes in rank order (TensorParallel)
+
+    def to_rank_order(self, name: str, whole: torch.Tensor) -> torch.Tensor:
+        return whole  # ... and slices are cut from that order
+
+    def clip_gradients(self, params: list[nn.Parameter], max_norm: float, dp_sharded: bool = False) -> torch.Tensor:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         if max_norm:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        return norm
+        return norm.full_tensor() if dp_sharded else norm  # fully_shard's rows: torch summed their squares
 
     def whole_state_dict(self, d: Dist, raw: nn.Module) -> dict | None:
         return None  # rank 0's own model is whole
@@ -2085,6 +2081,9 @@ class TensorParallel(WholeModel):
 
     def to_model_order(self, name: str, whole: torch.Tensor) -> torch.Tensor:
         return model_order(whole, self.cuts[name][1], self.n) if self.sliced(name) else whole
+
+    def to_rank_order(self, name: str, whole: torch.Tensor) -> torch.Tensor:
+        return rank_order(whole, self.cuts[name][1], self.n) if self.sliced(name) else whole
 
     def whole(self, name: str, t: torch.Tensor) -> torch.Tensor:
         if not self.sliced(name):
@@ -2321,7 +2320,7 @@ class Pipeline(StageState, Wrapper):
 
         def forward(m: int) -> None:
             x = batches[m][0] if self.first else self.receive(shape, -1, micro).requires_grad_()
-            if self.last:  # the loss, scaled as section 6 says
+            if self.last:  # the loss, scaled as loss_scale says
                 loss = micro.forward(self.module, (x, batches[m][1]))
                 losses.append(loss.detach())
                 outputs[m] = loss * scales[m]
@@ -2360,7 +2359,7 @@ class Pipeline(StageState, Wrapper):
         if self.sync:  # the replicas of this stage average its gradients: no_sync kept them local till now
             for p in self.sync.place:
                 if p.grad is not None:
-                    self.sync._gradient_ready(p)
+                    self.sync.gradient_ready(p)
             self.sync.finish_gradient_sync()
 
     def eval_loss(self, kit: ModelKit, batch: tuple) -> torch.Tensor:
@@ -2397,7 +2396,7 @@ class TorchPipeline(Pipeline):
         if self.schedule is None:
             stage = PipelineStage(self.module, self.d.pp_rank, self.d.pp, self.d.device, group=self.group)
             kind = ScheduleGPipe if self.cfg.pp_schedule == "gpipe" else Schedule1F1B
-            # scale_grads=False: each loss is already divided as section 6 says, not by the micro-batches
+            # scale_grads=False: each loss is already divided as loss_scale says, not by the micro-batches
             self.schedule = kind(stage, len(batches), loss_fn=lambda y, t: self.loss_fn(y, t), scale_grads=False)
         self.loss_fn = loss_fn
         ids, targets = (torch.cat(column) for column in zip(*batches, strict=True))
@@ -2417,7 +2416,7 @@ def split_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats) -> Who
 
 
 def wrap_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats, split: WholeModel | None) -> Wrapper:
-    """The model as every rank trains it: replicated (DDP, section 5), sharded (FSDP, section 7), or
+    """The model as every rank trains it: replicated (DDP), sharded (FSDP), or
     split (here): a pipeline's stage, or tensor-parallel slices under DDP or FSDP."""
     if d.pp > 1:
         return (TorchPipeline if cfg.ddp == "torch" else Pipeline)(kit, cfg, d, stats)
@@ -2479,7 +2478,7 @@ MODEL_ALIASES = {"qwen": "hf"}
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
-    """The command line, made from RunConfig's fields (section 1): a flag each, in their groups."""
+    """The command line, made from RunConfig's fields: a flag each, in their groups."""
     parser = _Parser(
         description="Train a causal language model across processes with DistributedDataParallel: a byte-level "
         "Transformer from scratch (learn DDP on a CPU with --nproc 2), or LoRA adapters on Qwen2.5 or another "
@@ -2912,7 +2911,7 @@ class Examples(Dataset):
     # (N,) int64: UTF-8 bytes of text the targets spell out (a line's end counts as one byte).
     # Loss per byte compares models whose tokens differ: a byte-level model and Qwen's BPE.
     target_bytes: torch.Tensor
-    # (N, T) int64 for packed rows: each example's positions restart at 0 (pack_rows, section 11)
+    # (N, T) int64 for packed rows: each example's positions restart at 0 (pack_rows)
     positions: torch.Tensor | None = None
 
     def __len__(self) -> int:
@@ -3351,7 +3350,7 @@ class Lines:
     stream[edges[i] + 1 : edges[i + 1]], framed by the newlines at edges[i] and edges[i + 1].
     `chosen` marks the lines this set uses (training or held out), kept in file order."""
 
-    stream: np.ndarray | FileArray  # uint8, read from the token cache (FileArray, section 11), or in memory
+    stream: np.ndarray | FileArray  # uint8, read from the token cache (FileArray), or in memory
     edges: np.ndarray | FileArray  # (N + 1,) the framing newlines' positions
     key: str  # what the bytes are: the token cache's key, part of the training data's digest
     chosen: np.ndarray | None = None  # bool, one per line; None: every line
@@ -3414,10 +3413,10 @@ class Pieces:
 
 class Rows(Dataset):
     """Training examples made one row at a time, when a batch asks for it, from flat arrays of
-    tokens (read from the token cache, section 11, as batches ask): nothing is ever held padded to
+    tokens (read from the token cache, build_cache, as batches ask): nothing is ever held padded to
     seq_len, so memory does not grow with seq_len x examples. Row i is (inputs, targets[,
     positions]), each of seq_len tokens; trim_padding then cuts the batch to its longest row. The
-    byte model's rows are ShiftingWindows and ByteWindows, a pretrained model's TokenRows (section 11)."""
+    byte model's rows are ShiftingWindows and ByteWindows, a pretrained model's TokenRows."""
 
     def set_epoch(self, epoch: int) -> None:
         """Fixed rows: only the sampler's order changes between epochs."""
@@ -3668,7 +3667,7 @@ def collate_for(cfg: RunConfig) -> Callable[[list], tuple[torch.Tensor, ...]]:
     """How a micro-batch is stacked. Under sdpa and eager, packed rows stay rows: transformers builds
     each row a block-diagonal causal mask from its position_ids, and one long row would make that
     mask (and attention's work) grow with the square of the whole micro-batch. (flash_attention_2
-    needs one row per micro-batch: flatten_rows, section 11.)"""
+    needs one row per micro-batch: flatten_rows.)"""
     flash = cfg.model == "hf" and cfg.pack and cfg.attn_implementation.startswith("flash_attention")
     return flatten_rows if flash else trim_padding
 
@@ -6511,7 +6510,7 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
     if cfg.show_examples:
         show_examples(cfg, d, first_records(cfg, cfg.show_examples))
         return
-    # The corpus as tokens, built into the token cache once; batches read their rows from it (section 11).
+    # The corpus as tokens, built into the token cache once; batches read their rows from it (open_corpus).
     corpus = open_corpus(cfg, d, resolve_model_files(cfg, d) if cfg.model == "hf" else None)
     val = held_out(len(corpus), cfg.val_fraction, cfg.seed)
     build_kit = build_pretrained_kit if cfg.model == "hf" else build_tiny_kit
