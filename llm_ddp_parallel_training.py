@@ -294,7 +294,8 @@ class RunConfig:
                          choices=["none", "optimizer", "full"])  # fmt: skip
     bucket_mb: float = flag(25.0, "gradient bucket size for the all-reduce, in MiB (torch's bucket_cap_mb)",
                             type=Within(float, 1e-3, 65536, unit=" MiB"))  # fmt: skip
-    grad_accum_steps: int = flag(1, "micro-steps per optimizer step (k-1 without sync)", type=POSITIVE)
+    grad_accum_steps: int = flag(1, "micro-steps per optimizer step (k-1 without sync); under --pp, the pipeline's "
+                                 "micro-batches: one per stage when not given", type=POSITIVE)  # fmt: skip
     loss_normalization: str = flag("global-tokens", "exact mean over every token of the global batch, or the biased "
                                    "mean of per-rank means", choices=["global-tokens", "mean-of-means"])  # fmt: skip
     optimizer: str = flag("adamw", "sgd: plain, no momentum", choices=["adamw", "sgd"])
@@ -897,7 +898,6 @@ class Replicas:
 
 class TorchDDP(DDP, Replicas):
     """torch's DistributedDataParallel, answering as every replicated model does, in one layout.
-
     Left alone, torch 2.13's reducer sends step 1 as one bucket in registration order, then rebuilds
     it in the order gradients arrived. At 3+ ranks Gloo's ring adds each number in an order set by
     its place in the buffer: a rebuild, or a DDP built afresh on resume, changes the last bits.
@@ -907,12 +907,12 @@ class TorchDDP(DDP, Replicas):
     split: WholeModel | None = None  # set by wrap_model
     searched = False  # has a synced forward looked for unused parameters yet
 
-    def forward(self, *inputs: object, **kwargs: object) -> object:
+    def _post_forward(self, output: object) -> object:  # where torch 2.13's DDP searches, after the model ran
         if self.searched or not (self.require_backward_grad_sync and torch.is_grad_enabled()):
-            return super().forward(*inputs, **kwargs)
+            return super()._post_forward(output)
         self.searched = True  # the first search warns, once a process, that it found none: expected here
         with without_stderr_lines("find_unused_parameters=True was specified"):
-            return super().forward(*inputs, **kwargs)
+            return super()._post_forward(output)
 
 
 class Wrapper(Replicas, nn.Module):
@@ -1015,8 +1015,8 @@ class ManualDDP(Wrapper):
     3. During backward, a hook on each parameter copies its finished gradient into its bucket;
        when a bucket's last gradient arrives, it is divided by the world size (a sum of averages
        cannot overflow) and its all-reduce starts asynchronously, overlapping the rest of backward.
-    4. finish_gradient_sync(): wait for every bucket, copy the averages back into .grad.
-    Under model splitting (split_model) the replicas are the ranks of the data-parallel group.
+    4. finish_gradient_sync(): wait for every bucket, copy the averages back into .grad. Under model
+       splitting (split_model) the replicas are the ranks of the data-parallel group.
     """
 
     def __init__(self, module: nn.Module, d: Dist, bucket_mb: float, stats: CommStats,
@@ -1254,6 +1254,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
         scales = [loss_scale(cfg, d, n, global_tokens) for n in micro_tokens]
         loss_sum = model.forward_backward(micro_batches, scales, micro)
         model.finish_gradient_sync()
+        side.mark("sync")
         sent = stats.end_step()
         # Each rank's loss covers its own shard; the sum over ranks, divided by the global
         # token count, is the loss of the global batch: the number the update follows.
@@ -3937,7 +3938,7 @@ def build_cache(cfg: RunConfig, folder: Path, key: str, build: Callable[[ArraySi
     host = socket.gethostname()
     leftover = re.compile(rf"\.(tokens|bytes)-\w+\.tmp-{re.escape(host)}-(\d+)")  # another machine's may live
     for left in folder.parent.glob(".*.tmp-*"):
-        if (m := leftover.fullmatch(left.name)) and process_gone(int(m[2])):
+        if (m := leftover.fullmatch(left.name)) and (process_gone(int(m[2])) or int(m[2]) == os.getpid()):
             shutil.rmtree(left, ignore_errors=True)
     tmp = folder.with_name(f".{folder.name}.tmp-{host}-{os.getpid()}")
     sink = ArraySink(tmp)
@@ -4249,7 +4250,7 @@ def build_pretrained_kit(
         reply = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
         if not reply.strip():  # a random model's tokens may decode to blank lines (120 of them): one line says so
             reply = f"(nothing but {len(reply)} whitespace character(s): a model this untrained has no words yet)"
-        return f"{prompt} -> {reply}" if chat else prompt + reply
+        return (f"{prompt} -> {reply}" if chat else prompt + reply).translate(CONTROL_ESCAPES)
 
     end_of_turn = turn_closing_token(tokenizer) if chat else None
     train, counts = encode_records_with_tokenizer(records, tokenizer, cfg.seq_len, cfg.train_on_prompt, cfg.pack)
@@ -4827,8 +4828,9 @@ class Timeline:
     registered, so the last gradient is stamped before the wrapper launches the last bucket.
 
     Two waits are named for what they are: in the first traced step, the sync before forward is the
-    ranks' start-up (the first to arrive waits for the last to start); in a pipeline, the sync after
-    backward is the stage's drain (it waits for the stages still working through the last micro-batches).
+    ranks' start-up (the first to arrive waits for the last to start); on a pipeline's last stage, the
+    sync after its gradients' is its drain (it waits for the stages still working through the last
+    micro-batches' backward). The first stage finishes last: its closing syncs stay syncs.
 
     On a GPU a mark is a CUDA event, not a clock reading: the host runs ahead of the device, and an
     event records when the *device* got there. Each traced step starts with a synchronize, to pin
@@ -4836,9 +4838,9 @@ class Timeline:
     """
 
     def __init__(self, last_step: int, device: torch.device, params: list[nn.Parameter] = (),
-                 pipeline: bool = False) -> None:  # fmt: skip
-        self.last_step, self.cuda, self.pipeline = last_step, device.type == "cuda", pipeline
-        self.starting = True  # before the first traced step's forward
+                 drains: bool = False) -> None:  # fmt: skip
+        self.last_step, self.cuda, self.drains = last_step, device.type == "cuda", drains
+        self.starting, self.last_phase = True, ""  # before the first traced step's forward; the phase just marked
         self.on, self.step = False, 0  # recording the current step, and which
         self.spans: list[Span] = []
         self.pending: list[tuple[str, object, object, dict]] = []  # this step's, marks unresolved
@@ -4875,7 +4877,8 @@ class Timeline:
 
     def phase(self, name: str) -> None:
         now = self.now()
-        if name == "sync" and (self.starting or (self.pipeline and any(n == "forward" for n, *_ in self.pending))):
+        previous, self.last_phase = self.last_phase, name
+        if name == "sync" and (self.starting or (self.drains and previous == "sync")):
             name = "start-up" if self.starting else "drain"
         self.starting = self.starting and name == "data"
         if name == "backward" and self.last_gradient is not None:
@@ -4988,10 +4991,15 @@ def describe_overlap(ranks: list[list[Span]]) -> str:
 
 def one_bucket_hint(ranks: list[list[Span]]) -> str:
     """Why nothing hides when the whole gradient is one bucket, and what would show the overlap."""
-    buckets = {args.get("bucket") for spans in ranks for name, _, _, args in spans if name == "all-reduce"}
-    if buckets != {0}:
+    sizes = {
+        args.get("bucket"): args.get("bytes", 0)
+        for spans in ranks
+        for name, _, _, args in spans
+        if name == "all-reduce"
+    }
+    if set(sizes) != {0}:
         return ""
-    return "; the gradient is one bucket, sent when backward ends: --bucket-mb 0.5 splits it"
+    return f"; the gradient is one bucket, sent when backward ends: --bucket-mb {sizes[0] / 4 / 2**20:.2g} splits it"
 
 
 def describe_trace(cfg: RunConfig, ranks: list[list[Span]]) -> tuple[str, str]:
@@ -5215,8 +5223,8 @@ class SideWork:
     def __init__(self, cfg: RunConfig, d: Dist, kit: ModelKit, stats: CommStats, first_step: int) -> None:
         self.cfg, self.d, self.kit, self.stats = cfg, d, kit, stats
         params = [p for _, p in trainable_parameters(kit.model)]  # hooked before the wrapper hooks them
-        traced = first_step + cfg.trace_steps
-        self.timeline = Timeline(traced, d.device, params, d.pp > 1) if cfg.trace_steps else None
+        drains = d.pp > 1 and d.pp_rank == d.pp - 1  # a pipeline's last stage
+        self.timeline = Timeline(first_step + cfg.trace_steps, d.device, params, drains) if cfg.trace_steps else None
         stats.timeline = self.timeline
         self.offsets = clock_offsets(d) if self.timeline else []
         self.predicted = predict_memory(cfg, d, kit)  # from the whole model, before any sharding
@@ -5392,17 +5400,28 @@ def generate_bytes(model: TinyTransformer, prompt: str, max_new: int, seed: int)
 
 
 # A sampled byte may be any control character (backspace, NUL, an escape sequence's ESC): shown as \x08 and
-# the like, the sample stays one line of text that can neither drive the terminal nor break a log.
-CONTROL_ESCAPES = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}
+# the like, the sample stays one line of text that can neither drive the terminal nor break a log (a
+# backslash doubled, so that an escape is never ambiguous; the Unicode line breaks too).
+CONTROL_ESCAPES = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]} | {
+    ord("\\"): "\\\\",
+    0x2028: "\\u2028",
+    0x2029: "\\u2029",
+}
 
 
 @contextlib.contextmanager
 def without_stderr_lines(text: str) -> Iterator[None]:
     """Run the block with file descriptor 2 caught (C++ writes there, past Python's warnings
-    filters), then write back every line but those holding text."""
+    filters), then write back every line but those holding text. Kept to blocks that run no model
+    code: a crash inside would take what they printed with it."""
     sys.stderr.flush()
+    try:
+        caught = tempfile.TemporaryFile()  # noqa: SIM115 (closed by the with below)
+    except OSError:  # nowhere to catch it: the line shows, the run goes on
+        yield
+        return
     saved = os.dup(2)
-    with tempfile.TemporaryFile() as caught:
+    with caught:
         os.dup2(caught.fileno(), 2)
         try:
             yield
@@ -5411,7 +5430,8 @@ def without_stderr_lines(text: str) -> Iterator[None]:
             os.dup2(saved, 2)
             os.close(saved)
             caught.seek(0)
-            os.write(2, b"".join(line for line in caught if text.encode() not in line))
+            with contextlib.suppress(OSError):  # a closed stderr (the launcher gone) must not mask the block's error
+                os.write(2, b"".join(line for line in caught if text.encode() not in line))
 
 
 def say(message: str) -> None:
@@ -5974,7 +5994,10 @@ class OutputLock:
             return
         self.made = [p for p in (folder, *folder.parents) if not p.exists()]
         folder.mkdir(parents=True, exist_ok=True)
-        f = open(folder / "run.lock", "a+", encoding="utf-8")  # noqa: SIM115 (held, not closed)
+        try:
+            f = open(folder / "run.lock", "a+", encoding="utf-8")  # noqa: SIM115 (held, not closed)
+        except FileNotFoundError:  # a run that wrote nothing removed the folder as we made it: again
+            return self.hold(folder)
         try:
             lock_file(f)
         except OSError as e:
@@ -5992,6 +6015,13 @@ class OutputLock:
                 f"{folder} is in use by another run ({holder}): give this run its own --output-dir, "
                 "or wait for that one to end"
             ) from None
+        try:
+            same = os.path.samestat(os.fstat(f.fileno()), os.stat(folder / "run.lock"))
+        except FileNotFoundError:
+            same = False
+        if not same:  # locked a run.lock that its releasing run had just removed (release): take the new one
+            f.close()
+            return self.hold(folder)
         f.seek(0)
         f.truncate()
         started = time.strftime("%Y-%m-%d %H:%M:%S")

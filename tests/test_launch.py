@@ -48,6 +48,13 @@ def test_two_gloo_ranks_train_and_the_loss_falls(torchrun_and_nproc):
     assert "[sample] Each rank" in run.stdout
 
 
+@pytest.mark.parametrize("launcher", ["torchrun", "nproc"])
+def test_torchs_ddp_keeps_its_expected_unused_parameter_warning_off_every_ranks_stderr(torchrun_and_nproc, launcher):
+    run, _ = torchrun_and_nproc[launcher]
+    assert_ok(run)
+    assert "find_unused_parameters" not in run.output  # TorchDDP searches for unused parameters on purpose
+
+
 def test_two_nodes_meet_through_c10d_rendezvous(tmp_path):
     endpoint = f"127.0.0.1:{free_port()}"
     args = [*TINY, "--max-steps", "3", "--output-dir", str(tmp_path)]

@@ -114,3 +114,8 @@ def test_a_byte_sample_shows_control_characters_as_escapes_on_one_line():
     script = b"a\x08b\x00\x11\x1b[2J\x7f\xc2\x85\xc3\xa9\rz\n"
     sample = t.generate_bytes(Scripted("Hi", script), "Hi", max_new=64, seed=0)
     assert sample == "Hia\\x08b\\x00\\x11\\x1b[2J\\x7f\\x85\u00e9\\x0dz"
+
+
+def test_an_escape_in_a_sample_is_never_ambiguous_and_unicode_line_breaks_are_escaped_too():
+    sample = t.generate_bytes(Scripted("Hi", b"\\x08\xe2\x80\xa8\n"), "Hi", max_new=64, seed=0)
+    assert sample == "Hi\\\\x08\\u2028"  # a literal backslash doubled, U+2028 shown, not obeyed

@@ -15,10 +15,13 @@ layout never changes.)
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 from conftest import TINY, assert_bitwise_equal, assert_ok, checkpoint, run_cmd, run_jobs, torchrun_cmd, weights
+
+import llm_ddp_parallel_training as t
 
 # AdamW with a high lr: the optimizer that shows a last-bit difference; dropout: every rank's own stream.
 ADAMW = [*TINY, "--optimizer", "adamw", "--lr", "0.05", "--dropout", "0.1", "--bucket-mb", "0.02"]
@@ -77,3 +80,10 @@ def test_manual_ddp_equals_torch_ddp_bitwise_at_three_ranks_where_dividing_by_th
     for run in run_jobs(jobs, nproc=3, timeout=300).values():
         assert_ok(run)
     assert_bitwise_equal(weights(tmp_path / "torch"), weights(tmp_path / "manual"), "manual DDP against torch's")
+
+
+def test_the_stderr_filter_drops_only_the_lines_it_names_and_keeps_the_rest(capfd):
+    with t.without_stderr_lines("expected here"):
+        os.write(2, b"a warning expected here\n")
+        os.write(2, b"an error the user must see\n")
+    assert capfd.readouterr().err == "an error the user must see\n"

@@ -147,3 +147,23 @@ def test_a_folder_that_existed_before_or_holds_anything_else_stays(tmp_path):
             (written / "metrics.jsonl").write_text("{}\n")
         lock.release()
     assert list(existed.iterdir()) == [] and sorted(p.name for p in written.iterdir()) == ["metrics.jsonl", "run.lock"]
+
+
+def test_a_lock_taken_on_a_run_lock_that_a_releasing_run_just_removed_is_taken_again_on_the_new_one(
+    tmp_path, monkeypatch
+):
+    lock, taken, real = t.OutputLock(), [], t.lock_file
+
+    def released_meanwhile(f) -> None:
+        if not taken:  # between this run's open and its lock, a run that wrote nothing removed run.lock
+            (tmp_path / "run.lock").unlink()
+        taken.append(f)
+        real(f)
+
+    monkeypatch.setattr(t, "lock_file", released_meanwhile)
+    lock.hold(tmp_path)
+    try:
+        assert len(taken) == 2
+        assert os.path.samestat(os.fstat(lock.file.fileno()), os.stat(tmp_path / "run.lock"))
+    finally:
+        lock.file.close()

@@ -507,7 +507,9 @@ def test_the_pp_trace_shows_sends_receives_and_each_stages_bubble(two_ranks):
         assert [e["args"]["from stage"] for e in mine if e["name"] == "recv"].count(other) == 4
         assert any(e["name"] == "bubble" for e in mine)
     # The last stage waits at the step's end for the first to finish its backward: drawn as the drain it is.
+    # The first stage finishes last: it never drains.
     assert any(e["name"] == "drain" for e in events if e["pid"] == 1)
+    assert not any(e["name"] == "drain" for e in events if e["pid"] == 0)
 
 
 def test_the_summary_gives_each_stages_bubble_beside_the_ideal(two_ranks):

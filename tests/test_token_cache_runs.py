@@ -202,6 +202,16 @@ def test_the_next_build_on_a_machine_removes_the_folders_of_builds_killed_there(
     assert caches(tmp_path) == sorted([left["alive here"], left["another machine's"], "bytes-0a1b"])
 
 
+def test_a_leftover_named_for_this_very_process_is_removed_not_a_reason_to_fail(tmp_path):
+    # In a container a restarted build often gets the PID its killed predecessor had.
+    left = tmp_path / f".bytes-0a1b.tmp-{socket.gethostname()}-{os.getpid()}"
+    left.mkdir()
+    (left / "ids.bin").write_bytes(b"half a build")
+    t.build_cache(t.parse_args(["--cache-dir", str(tmp_path)]), tmp_path / "bytes-0a1b", "key", a_small_build)
+    assert caches(tmp_path) == ["bytes-0a1b"]
+    assert t.cache_problem(tmp_path / "bytes-0a1b", "key") is None
+
+
 def test_a_build_that_loses_the_race_for_a_damaged_caches_place_uses_the_cache_that_won(tmp_path, monkeypatch):
     cfg, cache = t.parse_args(["--cache-dir", str(tmp_path / "cache")]), tmp_path / "cache" / "bytes-0a1b"
     t.build_cache(cfg, tmp_path / "winner", "key", a_small_build)
