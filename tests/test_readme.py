@@ -135,6 +135,7 @@ def test_the_offline_chat_example_runs_as_the_readme_writes_it(tmp_path):
     for line in shown[2].splitlines():
         if "tok/s" not in line:  # the step line's speed is the machine's own
             assert line in printed, line
+    assert "[run] 4 examples per rank per epoch = 1 step per epoch" in trained.stdout  # one, singular
     answers = run_cmd([sys.executable, "-c", ASK, str(tmp_path / "runs" / "tiny-qwen-chat" / "qwen_full"),
                        str(tmp_path / "runs" / "tiny-chat.jsonl")], timeout=120)  # fmt: skip
     assert_ok(answers)
