@@ -128,7 +128,7 @@ CALLBACK_WRAPPER = "Got the following error when running the callback: RuntimeEr
 def flag(default: object, help: str, group: str | None = None, **reading: object) -> Any:
     """A setting and its command-line flag, declared once: its default, its --help line, the --help
     group it opens (the fields after it belong to that group until another opens one), and how
-    argparse reads it (type, choices, metavar, action). Section 8 builds the parser from these."""
+    argparse reads it (type, choices, metavar, action). build_arg_parser builds the parser from these."""
     return field(default=default, metadata={"help": help, "group": group, **reading})
 
 
@@ -764,8 +764,8 @@ class CommStats:
 
     Both wrappers report every bucket they launch here: torch's DDP through a comm hook, the
     manual one directly. Counting per optimizer step shows that accumulation's k-1 silent
-    micro-steps send nothing. The from-scratch FSDP, tensor and pipeline parallelism (sections 7
-    and 8) report their collectives here too, by kind, for the summary and the timeline.
+    micro-steps send nothing. The from-scratch FSDP, tensor and pipeline parallelism (ManualFSDP,
+    TensorParallel, Pipeline) report their collectives here too, by kind, for the summary and the timeline.
     """
 
     def __init__(self, model: nn.Module, compress: bool) -> None:
