@@ -128,45 +128,15 @@ CALLBACK_WRAPPER = "Got the following error when running the callback: RuntimeEr
 def flag(default: object, help: str, group: str | None = None, **reading: object) -> Any:
     """A setting and its command-line flag, declared once: its default, its --help line, the --help
     group it opens (the fields after it belong to that group until another opens one), and how
-    argparse reads it (type, choices, metavar, action). build_arg_parser builds the parser from these."""
+    argparse reads it (type, choices, metavar, action; `within`, a range of numbers; a type named in words,
+    such as "layer names"). build_arg_parser builds the parser from these, naming nothing of its own here."""
     return field(default=default, metadata={"help": help, "group": group, **reading})
 
 
-@dataclass(frozen=True)
-class Within:
-    """A number a flag accepts, checked as argparse reads it: one check for every numeric flag. A
-    value that passes a sign check can still break far later (a timedelta overflow, a bucket too
-    large to allocate, a seed torch cannot take), so each has its range."""
-
-    kind: type  # int or float
-    low: float
-    high: float = math.inf
-    low_open: bool = False  # the low end itself is refused: "a positive number"
-    high_open: bool = False
-    unit: str = ""
-
-    def __call__(self, text: str) -> int | float:
-        try:
-            value = self.kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {self}, got {text}") from None
-        above = value > self.low if self.low_open else value >= self.low
-        below = value < self.high if self.high_open else value <= self.high
-        if not (above and below and math.isfinite(value)):  # also refuses NaN
-            raise argparse.ArgumentTypeError(f"must be {self}, got {value if self.kind is int else text}")
-        return value
-
-    def __str__(self) -> str:
-        if self.high_open:
-            return f"in [{self.low:g}, {self.high:g})"
-        if self.high < math.inf:
-            return f"from {self.low:g} to {self.high:g}{self.unit}"
-        noun = "integer" if self.kind is int else "number"
-        return f"a positive {noun}" if self.low_open or self.low > 0 else f"zero or a positive {noun}"
-
-
-POSITIVE, COUNT = Within(int, 1), Within(int, 0)  # 1, 2, ...; and 0 (off), 1, 2, ...
-PROBABILITY = Within(float, 0, 1, high_open=True)
+# The ranges numeric flags accept, as data: Within, with the command line, checks them as argparse reads.
+POSITIVE, COUNT = {"kind": int, "low": 1}, {"kind": int, "low": 0}  # 1, 2, ...; and 0 (off), 1, 2, ...
+AMOUNT, RATE = {"kind": float, "low": 0}, {"kind": float, "low": 0, "low_open": True}  # >= 0; > 0
+PROBABILITY = {"kind": float, "low": 0, "high": 1, "high_open": True}
 
 
 @dataclass(frozen=True)
@@ -179,25 +149,6 @@ class FaultPlan:
     # save: SIGKILL itself halfway through writing the step's checkpoint; hang: stop answering
 
     KINDS = ("kill", "raise", "nan", "desync", "save", "hang")
-
-    @classmethod
-    def parse(cls, text: str) -> FaultPlan:
-        parts = text.split(":")
-        try:
-            rank, step = int(parts[0]), int(parts[1])
-        except (ValueError, IndexError):
-            raise argparse.ArgumentTypeError(f"expected RANK:STEP[:KIND], got {text!r}") from None
-        kind = parts[2] if len(parts) > 2 else "kill"
-        if len(parts) > 3 or kind not in cls.KINDS or rank < 0 or step < 1:
-            raise argparse.ArgumentTypeError(f"expected RANK:STEP[:KIND] with KIND one of {', '.join(cls.KINDS)}")
-        return cls(rank, step, kind)
-
-
-def layer_names(text: str) -> tuple[str, ...]:
-    names = tuple(n.strip() for n in text.split(",") if n.strip())
-    if not names:
-        raise argparse.ArgumentTypeError("must name at least one layer, e.g. q_proj,v_proj")
-    return names
 
 
 PRETRAINED_GROUP = "pretrained model (--model hf)"
@@ -216,8 +167,10 @@ class RunConfig:
     corpus_file: Path = flag(DEFAULT_CORPUS, "UTF-8 text, one training sample per line (blank lines skipped), "
                              "or .jsonl records", type=Path)  # fmt: skip
     output_dir: Path = flag(DEFAULT_OUTPUT_DIR, "where rank 0 writes", type=Path)
-    seed: int = flag(1337, "init, shuffle and split; dropout adds the rank", type=Within(int, 0, 2**63 - 1))
-    seq_len: int = flag(128, "tokens per example (bytes for tiny)", type=POSITIVE)
+    seed: int = flag(
+        1337, "init, shuffle and split; dropout adds the rank", within={"kind": int, "low": 0, "high": 2**63 - 1}
+    )
+    seq_len: int = flag(128, "tokens per example (bytes for tiny)", within=POSITIVE)
     pack: bool | None = flag(None, "pack examples into full rows (default: on for tiny, off for hf); --no-pack: one "
                              "padded example per row", action=argparse.BooleanOptionalAction)  # fmt: skip
     data_format: str = flag(
@@ -228,15 +181,15 @@ class RunConfig:
     train_on_prompt: bool = flag(False, "chat and prompt-completion data: train on every token, not only the replies",
                                  action="store_true")  # fmt: skip
     show_examples: int = flag(0, "print the first N records as the model sees them, targets in [[ ]], and exit",
-                              type=COUNT, metavar="N")  # fmt: skip
+                              within=COUNT, metavar="N")  # fmt: skip
     cache_dir: Path | None = flag(None, "where the corpus is kept tokenized: built once, then read by every rank as "
                                   "batches ask (default: $XDG_CACHE_HOME or ~/.cache, then llm_ddp_parallel_training); "
                                   "none: tokenize in memory, for this run only", metavar="DIR")  # fmt: skip
 
-    d_model: int = flag(128, "embedding width", TINY_GROUP, type=POSITIVE)
-    n_heads: int = flag(4, "attention heads", type=POSITIVE)
-    n_layers: int = flag(2, "Transformer blocks", type=POSITIVE)
-    dropout: float = flag(0.0, "dropout probability", type=PROBABILITY)
+    d_model: int = flag(128, "embedding width", TINY_GROUP, within=POSITIVE)
+    n_heads: int = flag(4, "attention heads", within=POSITIVE)
+    n_layers: int = flag(2, "Transformer blocks", within=POSITIVE)
+    dropout: float = flag(0.0, "dropout probability", within=PROBABILITY)
 
     dataset: str | None = flag(None, "read the records with Hugging Face datasets instead of --corpus-file: a Hub "
                                "name, a local parquet, JSONL or CSV file, or a folder save_to_disk wrote",
@@ -245,11 +198,11 @@ class RunConfig:
     dataset_config: str | None = flag(None, "the configuration of a Hub --dataset that has several", metavar="NAME")
     model_name_or_path: str = flag("Qwen/Qwen2.5-0.5B-Instruct", "pretrained causal LM: hub name or local folder "
                                    "(Qwen2, Llama, Gemma, Mistral, Phi-3, ...)")  # fmt: skip
-    lora_r: int = flag(8, "rank of the low-rank update B @ A", type=POSITIVE)
-    lora_alpha: float = flag(16.0, "update scale is alpha / r", type=Within(float, 0, low_open=True))
-    lora_dropout: float = flag(0.05, "dropout on the adapter input", type=PROBABILITY)
+    lora_r: int = flag(8, "rank of the low-rank update B @ A", within=POSITIVE)
+    lora_alpha: float = flag(16.0, "update scale is alpha / r", within=RATE)
+    lora_dropout: float = flag(0.05, "dropout on the adapter input", within=PROBABILITY)
     lora_targets: tuple[str, ...] = flag(("q_proj", "v_proj"), "linear layers to adapt, comma-separated; all-linear: "
-                                         "every linear layer but the output head", type=layer_names)  # fmt: skip
+                                         "every linear layer but the output head", type="layer names")  # fmt: skip
     dtype: str = flag("auto", "weights dtype; auto: bfloat16 on GPUs that support it, else float32",
                       choices=["auto", "float32", "bfloat16", "float16"])  # fmt: skip
     attn_implementation: str = flag("sdpa", "attention kernel; flash_attention_2 needs CUDA and the flash-attn package",
@@ -260,32 +213,32 @@ class RunConfig:
     finetune: str = flag("lora", "lora: train adapters only; full: train every weight (needs --sharding full to fit "
                          "where DDP does not)", choices=["lora", "full"])  # fmt: skip
 
-    batch_size: int = flag(8, "examples per rank per step", "optimisation", type=POSITIVE)
+    batch_size: int = flag(8, "examples per rank per step", "optimisation", within=POSITIVE)
     max_steps: int = flag(None, "optimizer steps, across epochs (default: 600, or no cap when --epochs is given)",
-                          type=POSITIVE)  # fmt: skip
+                          within=POSITIVE)  # fmt: skip
     epochs: int = flag(0, "passes over the training data; --max-steps still caps (0: --max-steps alone decides)",
-                       type=COUNT)  # fmt: skip
-    lr: float = flag(None, "peak learning rate (default: 3e-3 tiny, 2e-4 hf)", type=Within(float, 0, low_open=True))
-    min_lr: float = flag(None, "end of the cosine decay (default: lr/10)", type=Within(float, 0))
-    warmup_steps: int = flag(20, "linear warmup from 0 to --lr", type=COUNT)
-    weight_decay: float = flag(0.01, "weight decay", type=Within(float, 0))
-    grad_clip: float = flag(1.0, "clip the global gradient norm to this (0: off)", type=Within(float, 0))
+                       within=COUNT)  # fmt: skip
+    lr: float = flag(None, "peak learning rate (default: 3e-3 tiny, 2e-4 hf)", within=RATE)
+    min_lr: float = flag(None, "end of the cosine decay (default: lr/10)", within=AMOUNT)
+    warmup_steps: int = flag(20, "linear warmup from 0 to --lr", within=COUNT)
+    weight_decay: float = flag(0.01, "weight decay", within=AMOUNT)
+    grad_clip: float = flag(1.0, "clip the global gradient norm to this (0: off)", within=AMOUNT)
     precision: str = flag("auto", "autocast: auto is bf16 on GPUs that support it, else fp32; fp16 (GPU only) uses a "
                           "GradScaler", choices=["auto", "fp32", "bf16", "fp16"])  # fmt: skip
     tf32: bool = flag(True, "TF32 for fp32 matmuls on CUDA GPUs", action=argparse.BooleanOptionalAction)
 
     val_fraction: float = flag(0.1, "share of lines held out for validation", "validation and reporting",
-                               type=PROBABILITY)  # fmt: skip
-    eval_every: int = flag(100, "steps between evaluations (0: at the end)", type=COUNT)
+                               within=PROBABILITY)  # fmt: skip
+    eval_every: int = flag(100, "steps between evaluations (0: at the end)", within=COUNT)
     eval_examples: int = flag(1000, "held-out examples an evaluation reads, spread evenly over the held-out set, "
-                              "the same ones each time (0: every one, exact however large)", type=COUNT)  # fmt: skip
+                              "the same ones each time (0: every one, exact however large)", within=COUNT)  # fmt: skip
     progress: str = flag("auto", "auto: a bar on a terminal, else log lines", choices=["auto", "bar", "plain"])
-    log_every: int = flag(25, "steps between log lines", type=POSITIVE)
+    log_every: int = flag(25, "steps between log lines", within=POSITIVE)
     metrics_file: Path | None = flag(None, "append one JSON object per logged step", type=Path)
     plot: bool = flag(False, "write OUTPUT_DIR/loss.png at the end (needs matplotlib)", action="store_true")
     time_breakdown: bool = flag(False, "time data/forward/backward/sync/optimizer in every step", action="store_true")
     trace_steps: int = flag(0, "record every rank's first N steps to OUTPUT_DIR/trace.json (Perfetto); with --plot, "
-                            "timeline.png", type=COUNT, metavar="N")  # fmt: skip
+                            "timeline.png", within=COUNT, metavar="N")  # fmt: skip
 
     ddp: str = flag("torch", "torch's DDP (and ZeroRedundancyOptimizer, fully_shard), or the from-scratch ones",
                     "gradients", choices=["torch", "manual"])  # fmt: skip
@@ -293,33 +246,33 @@ class RunConfig:
                          "ranks; full: FSDP (ZeRO-3), weights, gradients and optimizer state split",
                          choices=["none", "optimizer", "full"])  # fmt: skip
     bucket_mb: float = flag(25.0, "gradient bucket size for the all-reduce, in MiB (torch's bucket_cap_mb)",
-                            type=Within(float, 1e-3, 65536, unit=" MiB"))  # fmt: skip
+                            within={"kind": float, "low": 1e-3, "high": 65536, "unit": " MiB"})  # fmt: skip
     grad_accum_steps: int = flag(1, "micro-steps per optimizer step (k-1 without sync); under --pp, the pipeline's "
-                                 "micro-batches: one per stage when not given", type=POSITIVE)  # fmt: skip
+                                 "micro-batches: one per stage when not given", within=POSITIVE)  # fmt: skip
     loss_normalization: str = flag("global-tokens", "exact mean over every token of the global batch, or the biased "
                                    "mean of per-rank means", choices=["global-tokens", "mean-of-means"])  # fmt: skip
     optimizer: str = flag("adamw", "sgd: plain, no momentum", choices=["adamw", "sgd"])
     grad_compression: str = flag("none", "bf16: all-reduce gradients as bfloat16, half the bytes (for slow links; "
                                  "rounds each gradient)", choices=["none", "bf16"])  # fmt: skip
     verify_sync: int = flag(0, "every N steps check that all ranks hold identical gradients, weights and optimizer "
-                            "state", type=COUNT, metavar="N")  # fmt: skip
+                            "state", within=COUNT, metavar="N")  # fmt: skip
     inspect: bool = flag(False, "report shards, buckets and per-rank gradients", action="store_true")
     inject_fault: FaultPlan | None = flag(None, "teaching/testing aid: make RANK fail at STEP once; KIND kill "
-                                          "(default), raise, nan, desync, save or hang", type=FaultPlan.parse,
+                                          "(default), raise, nan, desync, save or hang", type="fault plan",
                                           metavar="RANK:STEP[:KIND]")  # fmt: skip
 
     tp: int = flag(1, "tensor parallelism: every block's matrices split across groups of N ranks (Megatron's "
                    "layout); the data-parallel degree is the world size / (tp x pp)", "model splitting",
-                   type=POSITIVE, metavar="N")  # fmt: skip
+                   within=POSITIVE, metavar="N")  # fmt: skip
     pp: int = flag(1, "pipeline parallelism: the model cut into N stages of whole blocks, the micro-batches of "
-                   "--grad-accum-steps flowing through them", type=POSITIVE, metavar="N")  # fmt: skip
+                   "--grad-accum-steps flowing through them", within=POSITIVE, metavar="N")  # fmt: skip
     pp_schedule: str = flag("1f1b", "gpipe: every micro-batch forward, then every backward; 1f1b: one forward, one "
                             "backward, as soon as they can (less activation memory)",
                             choices=["gpipe", "1f1b"])  # fmt: skip
 
     save_every: int = flag(0, "full training state every N steps and at the end (0: off)", "checkpoints and resume",
-                           type=COUNT, metavar="N")  # fmt: skip
-    keep_last: int = flag(2, "how many checkpoints to keep", type=POSITIVE, metavar="K")
+                           within=COUNT, metavar="N")  # fmt: skip
+    keep_last: int = flag(2, "how many checkpoints to keep", within=POSITIVE, metavar="K")
     overwrite: bool = flag(False, "replace a finished run's model in OUTPUT_DIR (else: refused)", action="store_true")
     resume: str = flag("auto", "auto: continue from the newest complete checkpoint in OUTPUT_DIR/checkpoints, if any",
                        metavar="auto|none|PATH")  # fmt: skip
@@ -328,12 +281,12 @@ class RunConfig:
                         choices=["auto", "gloo", "nccl"])  # fmt: skip
     cpu: bool = flag(False, "train on CPU even if CUDA is available", action="store_true")
     nproc: int = flag(0, "start N ranks on this machine without torchrun (Windows, macOS, notebooks); 0: off",
-                      type=COUNT, metavar="N")  # fmt: skip
+                      within=COUNT, metavar="N")  # fmt: skip
     timeout_s: float = flag(300.0, "how long a collective may wait for the other ranks",
-                            type=Within(float, 1, 7 * 86400, unit=" seconds"))  # fmt: skip
+                            within={"kind": float, "low": 1, "high": 7 * 86400, "unit": " seconds"})  # fmt: skip
 
     prompt: str = flag("Each rank", "text the trained model continues", "sample")
-    sample_tokens: int = flag(120, "length of the sample", type=POSITIVE)
+    sample_tokens: int = flag(120, "length of the sample", within=POSITIVE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2448,6 +2401,62 @@ def wrap_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats, split: 
 # ----------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Within:
+    """A number a flag accepts, checked as argparse reads it: one check for every numeric flag. A
+    value that passes a sign check can still break far later (a timedelta overflow, a bucket too
+    large to allocate, a seed torch cannot take), so each has its range."""
+
+    kind: type  # int or float
+    low: float
+    high: float = math.inf
+    low_open: bool = False  # the low end itself is refused: "a positive number"
+    high_open: bool = False
+    unit: str = ""
+
+    def __call__(self, text: str) -> int | float:
+        try:
+            value = self.kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {self}, got {text}") from None
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        if not (above and below and math.isfinite(value)):  # also refuses NaN
+            raise argparse.ArgumentTypeError(f"must be {self}, got {value if self.kind is int else text}")
+        return value
+
+    def __str__(self) -> str:
+        if self.high_open:
+            return f"in [{self.low:g}, {self.high:g})"
+        if self.high < math.inf:
+            return f"from {self.low:g} to {self.high:g}{self.unit}"
+        noun = "integer" if self.kind is int else "number"
+        return f"a positive {noun}" if self.low_open or self.low > 0 else f"zero or a positive {noun}"
+
+
+def fault_plan(text: str) -> FaultPlan:
+    """--inject-fault RANK:STEP[:KIND], read."""
+    parts = text.split(":")
+    try:
+        rank, step = int(parts[0]), int(parts[1])
+    except (ValueError, IndexError):
+        raise argparse.ArgumentTypeError(f"expected RANK:STEP[:KIND], got {text!r}") from None
+    kind = parts[2] if len(parts) > 2 else "kill"
+    if len(parts) > 3 or kind not in FaultPlan.KINDS or rank < 0 or step < 1:
+        raise argparse.ArgumentTypeError(f"expected RANK:STEP[:KIND] with KIND one of {', '.join(FaultPlan.KINDS)}")
+    return FaultPlan(rank, step, kind)
+
+
+def layer_names(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("must name at least one layer, e.g. q_proj,v_proj")
+    return names
+
+
+READERS = {"layer names": layer_names, "fault plan": fault_plan}  # what section 1's flags name by these words
+
+
 class _Parser(argparse.ArgumentParser):
     def __init__(self, **kwargs: object) -> None:
         # Flag names are an interface: with prefix matching, a typo like --max-step would quietly
@@ -2491,6 +2500,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     for setting in fields(RunConfig):
         reading = dict(setting.metadata)
         help_line, title = reading.pop("help"), reading.pop("group")
+        if "within" in reading:
+            reading["type"] = Within(**reading.pop("within"))
+        if reading.get("type") in READERS:
+            reading["type"] = READERS[reading["type"]]
         group = parser.add_argument_group(title) if title else group
         default = ",".join(setting.default) if isinstance(setting.default, tuple) else setting.default
         group.add_argument("--" + setting.name.replace("_", "-"), default=default, help=help_line, **reading)
