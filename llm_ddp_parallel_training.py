@@ -772,15 +772,15 @@ class CommStats:
         return calls, nbytes
 
 
-class Replicas:
-    """What a model wrapper answers for the rest of the script, which never asks what kind of model
-    it holds: here, as every rank holding all the weights answers (one process, DDP, ZeRO-1's
-    weights), or its slice of them under tensor parallelism (`split`: TensorParallel). The sharded
-    wrappers (ManualFSDP, TorchFSDP) and the Pipeline answer otherwise, from rank0_optimizer_state and its kin."""
+class Layout:
+    """How a wrapper lays the model out over the ranks, and what it answers for the rest of the script,
+    which never asks what kind of model it holds: here, as every rank holding all the weights answers
+    (one process, DDP, ZeRO-1's weights), or its slice of them under tensor parallelism (`split`:
+    TensorParallel). The sharded wrappers (ManualFSDP, TorchFSDP) and the Pipeline answer otherwise."""
 
     gathers_in_forward = False  # a forward is a collective every rank must join (FSDP)
     all_reduces_buckets = True  # gradients travel in DDP's buckets (not FSDP's, nor a split model's alone)
-    split: WholeModel  # how the model is split across the ranks of one replica (split_model)
+    split: ModelSplit  # how the model is split across the ranks of one replica (split_model)
 
     def forward_backward(self, micro_batches: list[tuple], scales: list[float], micro: MicroStep) -> torch.Tensor:
         """The step's micro-batches through forward and backward; returns their loss, summed. The
@@ -849,7 +849,7 @@ class Replicas:
         """A forward without backward has run (the held-out loss)."""
 
 
-class TorchDDP(DDP, Replicas):
+class TorchDDP(DDP, Layout):
     """torch's DistributedDataParallel, answering as every replicated model does, in one layout.
     Left alone, torch 2.13's reducer sends step 1 as one bucket in registration order, then rebuilds
     it in the order gradients arrived. At 3+ ranks Gloo's ring adds each number in an order set by
@@ -857,7 +857,7 @@ class TorchDDP(DDP, Replicas):
     Looking for unused parameters, the reducer never rebuilds and buckets as ManualDDP plans, for a
     walk of the autograd graph and a small all-reduce of a used-parameter map a step."""
 
-    split: WholeModel | None = None  # set by wrap_model
+    split: ModelSplit | None = None  # set by wrap_model
     searched = False  # has a synced forward looked for unused parameters yet
 
     def _post_forward(self, output: object) -> object:  # where torch 2.13's DDP searches, after the model ran
@@ -868,13 +868,13 @@ class TorchDDP(DDP, Replicas):
             return super()._post_forward(output)
 
 
-class Wrapper(Replicas, nn.Module):
+class Wrapper(Layout, nn.Module):
     """The wrapped module and no_sync() for accumulation: the from-scratch wrappers' base, and on
     its own one plain process's, which has nothing to synchronise."""
 
-    def __init__(self, module: nn.Module, split: WholeModel | None = None) -> None:
+    def __init__(self, module: nn.Module, split: ModelSplit | None = None) -> None:
         super().__init__()
-        self.module, self.split = module, split or WholeModel()
+        self.module, self.split = module, split or ModelSplit()
         self.all_reduces_buckets = split is None  # one process: none, counted as none; a split model alone: none
         self.require_sync = True  # False inside no_sync(): gradients accumulate, nothing travels
 
@@ -894,7 +894,7 @@ DDP_TAKES = inspect.signature(DDP.__init__).parameters
 
 
 def wrap_data_parallel(model: nn.Module, cfg: RunConfig, d: Dist, stats: CommStats,
-                       split: WholeModel | None = None) -> nn.Module:  # fmt: skip
+                       split: ModelSplit | None = None) -> nn.Module:  # fmt: skip
     if not d.distributed or (split and d.dp == 1):
         return Wrapper(model, split)  # one plain process, or one model split over every rank: nothing to average
     if cfg.ddp == "manual":
@@ -917,7 +917,7 @@ def wrap_data_parallel(model: nn.Module, cfg: RunConfig, d: Dist, stats: CommSta
         **{"forward_sync_buffers" if "forward_sync_buffers" in DDP_TAKES else "broadcast_buffers": False},
     )
     ddp.register_comm_hook(stats, counting_allreduce_hook)
-    ddp.split = split or WholeModel()
+    ddp.split = split or ModelSplit()
     return ddp
 
 
@@ -973,7 +973,7 @@ class ManualDDP(Wrapper):
     """
 
     def __init__(self, module: nn.Module, d: Dist, bucket_mb: float, stats: CommStats,
-                 split: WholeModel | None = None) -> None:  # fmt: skip
+                 split: ModelSplit | None = None) -> None:  # fmt: skip
         super().__init__(module, split)
         self.world_size, self.stats, self.group = d.dp, stats, d.group("dp")
         self.all_reduces_buckets = True
@@ -1202,7 +1202,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
         lr = lr_at(cfg, step)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        # Forward and backward for each micro-batch (Replicas.forward_backward: k-1 inside no_sync(), the
+        # Forward and backward for each micro-batch (Layout.forward_backward: k-1 inside no_sync(), the
         # last one's backward all-reducing the sum), or through a pipeline's schedule (Pipeline).
         scales = [loss_scale(cfg, d, n, global_tokens) for n in micro_tokens]
         loss_sum = model.forward_backward(micro_batches, scales, micro)
@@ -1717,7 +1717,7 @@ class TorchFSDP(Wrapper):
 
     gathers_in_forward = True
 
-    def __init__(self, root: nn.Module, named: nn.Module, split: WholeModel | None = None) -> None:
+    def __init__(self, root: nn.Module, named: nn.Module, split: ModelSplit | None = None) -> None:
         super().__init__(root, split)
         self.named = named  # the module whose parameter names a checkpoint uses (the root may wrap it)
         self.all_reduces_buckets = False
@@ -1827,7 +1827,7 @@ def renumber(state: dict, key: dict) -> dict:
     return {"state": {key[q]: s for q, s in state["state"].items()}, "param_groups": groups}
 
 
-def shard_fully(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats, split: WholeModel | None = None) -> Wrapper:
+def shard_fully(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats, split: ModelSplit | None = None) -> Wrapper:
     """FSDP units: each Transformer block, then the rest (embeddings, final norm, head) as the root
     unit. Tied embedding and head weights are one tensor, so they must share a unit: the root.
     Under tensor parallelism (torch's 2-D recipe) the slices are sharded along the replicas."""
@@ -1861,8 +1861,8 @@ def shard_fully(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats, split:
 # (parallelize_module, torch.distributed.pipelining); here is each from scratch, beside them.
 
 
-class WholeModel:
-    """How one replica's model lies across its ranks: whole on each, as without model splitting.
+class ModelSplit:
+    """How one replica's model is split across its ranks; this base splits nothing, whole on each rank.
     The wrappers (ManualDDP, TorchDDP, the FSDPs) ask their split what to gather, cut, count and clip."""
 
     loss_share = 1.0  # how much of this rank's loss counts in the global sum
@@ -1999,7 +1999,7 @@ def own_dropout_stream(tp_rank: int) -> Iterator[None]:
         yield
 
 
-class TensorParallel(WholeModel):
+class TensorParallel(ModelSplit):
     """Megatron's layout over the tensor-parallel group: in every block q, k, v and the MLP's first
     Linear cut by output rows (column-parallel), the attention's output projection and the MLP's
     second Linear by input columns (row-parallel): one all-reduce after each row-parallel Linear in
@@ -2114,7 +2114,7 @@ def stage_of(name: str, n_layers: int, stages: int) -> int:
     return 0 if name.startswith(("tok_emb", "pos_emb")) else stages - 1
 
 
-class StageSplit(WholeModel):
+class StageSplit(ModelSplit):
     """A pipeline stage's part of the model: its own parameters whole, the others' none."""
 
     def __init__(self, d: Dist, last: bool, first: bool, owned: range) -> None:
@@ -2141,7 +2141,7 @@ class StageSplit(WholeModel):
         return [f"{self.holdings()} ({sum(p.numel() for _, p in named_params):,} weights)"]
 
 
-class StageState:
+class PipelineState:
     """What a pipeline answers for the rest of the script: the whole state from its stages, each of
     which holds its own parameters whole (checkpoints, the final save, --inspect, --verify-sync)."""
 
@@ -2191,7 +2191,7 @@ class StageState:
         return self.split.ownership(named_params)
 
 
-class Pipeline(StageState, Wrapper):
+class Pipeline(PipelineState, Wrapper):
     """Pipeline parallelism over the pipeline group: this rank holds one stage, a run of whole
     blocks (the first stage the embeddings too, the last the final norm and head), and the step's
     --grad-accum-steps micro-batches flow through the stages, activations forward and their
@@ -2362,14 +2362,14 @@ class TorchPipeline(Pipeline):
         return losses[-len(batches) :]  # the micro-batches' own, without that first check
 
 
-def split_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats) -> WholeModel | None:
+def split_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats) -> ModelSplit | None:
     """Tensor parallelism applied to the model in place, before the data-parallel wrapper takes it."""
     if kit.split is not None:
         return kit.split
     return TensorParallel(kit.model, d, cfg.ddp == "manual", stats) if d.tp > 1 else None
 
 
-def wrap_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats, split: WholeModel | None) -> Wrapper:
+def wrap_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats, split: ModelSplit | None) -> Wrapper:
     """The model as every rank trains it: replicated (DDP), sharded (FSDP), or
     split (here): a pipeline's stage, or tensor-parallel slices under DDP or FSDP."""
     if d.pp > 1:
@@ -5278,7 +5278,7 @@ class SideWork:
     def loss(self, micro_loss: torch.Tensor) -> torch.Tensor:
         return micro_loss * float("nan") if self.fault == "nan" else micro_loss
 
-    def gradients_synced(self, step: int, model: Replicas, named_params: list, sent: tuple[int, int],
+    def gradients_synced(self, step: int, model: Layout, named_params: list, sent: tuple[int, int],
                          local_loss_sum: torch.Tensor, micro_tokens: list[int]) -> None:  # fmt: skip
         if self.fault == "desync":  # pretend this rank's gradient sync silently went wrong
             named_params[0][1].grad.add_(1e-3)
@@ -5291,11 +5291,11 @@ class SideWork:
     def verifying(self, step: int) -> bool:
         return bool(self.cfg.verify_sync and step % self.cfg.verify_sync == 0)
 
-    def before_update(self, step: int, model: Replicas, named_params: list) -> None:
+    def before_update(self, step: int, model: Layout, named_params: list) -> None:
         if self.verifying(step):
             verify_replicas_agree(self.d, step, "after the gradient all-reduce", model.replicated(named_params))
 
-    def after_update(self, step: int, model: Replicas, named_params: list, optimizer: torch.optim.Optimizer) -> None:
+    def after_update(self, step: int, model: Layout, named_params: list, optimizer: torch.optim.Optimizer) -> None:
         self.mark("optimizer")
         self.stats.counting = False
         if self.verifying(step):
@@ -5304,7 +5304,7 @@ class SideWork:
         if self.timeline:
             self.timeline.end_step()
 
-    def finish(self, model: Replicas, optimizer: torch.optim.Optimizer) -> tuple[list[list[Span]], list[dict]]:
+    def finish(self, model: Layout, optimizer: torch.optim.Optimizer) -> tuple[list[list[Span]], list[dict]]:
         """The trace and every rank's memory, gathered to rank 0 (a collective)."""
         trace = collect_trace(self.d, self.timeline, self.offsets) if self.timeline else []
         return trace, measure_memory(self.d, self.kit, model, optimizer, self.predicted)
@@ -5464,7 +5464,7 @@ def global_batch(cfg: RunConfig, d: Dist) -> int:
 
 
 def announce_run(cfg: RunConfig, d: Dist, sampler: DistributedSampler, steps_per_epoch: int, precision: str,
-                 model: Replicas, optimizer: torch.optim.Optimizer, named_params: list) -> None:  # fmt: skip
+                 model: Layout, optimizer: torch.optim.Optimizer, named_params: list) -> None:  # fmt: skip
     """The run's shape, once, before the first step: the global batch, and how the gradients travel;
     with --inspect, each rank's shard of the data and of the training state."""
     k, batch = cfg.grad_accum_steps, global_batch(cfg, d)
@@ -5490,7 +5490,7 @@ def announce_run(cfg: RunConfig, d: Dist, sampler: DistributedSampler, steps_per
         print_in_rank_order(d, describe_shards(sampler) + model.ownership(named_params, optimizer))
 
 
-def sent_in_buckets(model: Replicas, calls: int, nbytes: int) -> dict[str, int]:
+def sent_in_buckets(model: Layout, calls: int, nbytes: int) -> dict[str, int]:
     """The step's all-reduce count and bytes, for the log and metrics, where gradients travel in DDP's
     buckets. Under --sharding full the weights are gathered and the gradients scattered; a model split
     over every rank, with no replica to average with, sends none."""
@@ -5502,7 +5502,7 @@ def evaluation_due(cfg: RunConfig, kit: ModelKit, step: int) -> bool:
 
 
 @torch.no_grad()
-def evaluate(cfg: RunConfig, d: Dist, kit: ModelKit, model: Replicas, precision: str) -> dict[str, float]:
+def evaluate(cfg: RunConfig, d: Dist, kit: ModelKit, model: Layout, precision: str) -> dict[str, float]:
     """The exact token-weighted loss on the held-out lines, computed by all ranks together.
 
     Rank r takes held-out examples r, r+W, r+2W, ...: every example exactly once. (A
@@ -5761,7 +5761,7 @@ def predict_memory(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
 
 
 def measure_memory(
-    d: Dist, kit: ModelKit, model: Replicas, optimizer: torch.optim.Optimizer, predicted: dict
+    d: Dist, kit: ModelKit, model: Layout, optimizer: torch.optim.Optimizer, predicted: dict
 ) -> list[dict]:
     """Every rank's parameters, gradients and optimizer state in bytes, and its peaks. A collective.
     ManualDDP's flat buckets count as gradients: a second copy of them (torch's DDP makes .grad
@@ -6231,7 +6231,7 @@ class StateSaver:
     def __init__(self, cfg: RunConfig, d: Dist, settings: dict, saved_step: int | None) -> None:
         self.cfg, self.d, self.settings, self.saved_step = cfg, d, settings, saved_step  # the step on disk
 
-    def save(self, model: Replicas, named_params: list, optimizer: torch.optim.Optimizer,
+    def save(self, model: Layout, named_params: list, optimizer: torch.optim.Optimizer,
              scaler: torch.amp.GradScaler | None, progress: Progress) -> None:  # fmt: skip
         """A collective: the RNG states are the one part that differs by rank, so every rank sends its
         own to rank 0; the model gives the rest whole on rank 0 (DDP's replicas are identical, its
@@ -6508,7 +6508,7 @@ def stopped_in_an_earlier_attempt(cfg: RunConfig, d: Dist) -> bool:
 
 def resume_training(
     state: dict,
-    model: Replicas,
+    model: Layout,
     named_params: list[tuple[str, nn.Parameter]],
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler | None,
