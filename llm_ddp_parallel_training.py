@@ -289,6 +289,28 @@ class RunConfig:
     sample_tokens: int = flag(120, "length of the sample", within=POSITIVE)
 
 
+# What the teaching core acts on when it runs alone (run_core); the full script acts on every setting.
+CORE_SETTINGS = ("corpus_file", "output_dir", "seed", "seq_len", "pack", "d_model", "n_heads", "n_layers", "dropout",
+                 "batch_size", "max_steps", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "ddp",
+                 "sharding", "bucket_mb", "grad_accum_steps", "loss_normalization", "optimizer", "grad_compression",
+                 "tp", "pp", "pp_schedule", "backend", "cpu", "timeout_s")  # fmt: skip
+
+
+def settle_defaults(args: argparse.Namespace, typed: set[str]) -> None:
+    """The defaults of None, decided once the rest is known, as each flag's help says; `typed`: the
+    flags the command line spelt out."""
+    if args.pp > 1 and "--grad-accum-steps" not in typed:
+        args.grad_accum_steps = args.pp  # a pipeline's micro-batches: one per stage, or stages idle (announce_run)
+    if args.max_steps is None:  # 0: no cap, for --epochs to decide (see steps_for_epochs)
+        args.max_steps = 0 if args.epochs else 600
+    if args.pack is None:  # byte windows cut anywhere; a pretrained model packs whole examples, kept apart, when asked
+        args.pack = args.model == "tiny"
+    if args.lr is None:  # a pretrained model wants a far gentler step than one from scratch; all its weights gentler
+        args.lr = (2e-5 if args.finetune == "full" else 2e-4) if args.model == "hf" else 3e-3
+    if args.min_lr is None:
+        args.min_lr = args.lr / 10
+
+
 # ----------------------------------------------------------------------------------------------
 # 2. Ranks: torchrun's environment says who this process is; then the process group
 # ----------------------------------------------------------------------------------------------
@@ -392,13 +414,18 @@ def choose_backend_and_device(cfg: RunConfig, local_rank: int, local_world: int)
     return "gloo", device, f"{why}: Gloo runs the collectives on CPU"
 
 
-def setup_distributed(cfg: RunConfig) -> Dist:
-    """Read the rank facts torchrun exported and join the process group (or stay single)."""
+def setup_distributed(cfg: RunConfig, meet: Callable[[timedelta], tuple] = lambda timeout: (None, None)) -> Dist:
+    """Read the rank facts torchrun exported and join the process group (or stay single). `meet`
+    gives the key-value store the ranks meet in, and the launch they belong to: by default (None,
+    None), init_process_group builds its own store from MASTER_ADDR and MASTER_PORT (the full
+    script's rendezvous_store takes the one torchrun's agent hosts)."""
     if not launched_by_torchrun():
         use_cuda = torch.cuda.is_available() and not cfg.cpu
         device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
         return Dist(0, 0, 1, 1, device, None, "not launched by torchrun: one process, no process group")
-    rank, world, local_rank, local_world = rank_facts_from_env()  # checked there
+    env = os.environ
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    local_rank, local_world = int(env.get("LOCAL_RANK", "0")), int(env.get("LOCAL_WORLD_SIZE", world))
     backend, device, why = choose_backend_and_device(cfg, local_rank, local_world)
     if "TORCHELASTIC_RUN_ID" not in os.environ and local_rank == 0:  # a hand-made launch: say what it waits for
         where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
@@ -409,9 +436,7 @@ def setup_distributed(cfg: RunConfig) -> Dist:
     # instead of hanging it.
     timeout = timedelta(seconds=cfg.timeout_s)
     try:
-        # torchrun's agent already hosts a key-value store the ranks can meet in (rendezvous_store); without
-        # one (None), init_process_group builds its own from MASTER_ADDR and MASTER_PORT.
-        agent_store, launch = rendezvous_store(timeout)
+        agent_store, launch = meet(timeout)
         dist.init_process_group(
             backend=backend,
             store=agent_store,
@@ -504,6 +529,195 @@ def trim_padding(batch: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, .
     return tuple(c[:, :width].contiguous() for c in columns)
 
 
+@dataclass(frozen=True)
+class Examples(Dataset):
+    """Rows as padded tensors, all in memory: a handful of rows to look at (Rows.whole), or your own."""
+
+    inputs: torch.Tensor  # (N, T) int64
+    targets: torch.Tensor  # (N, T) int64, IGNORE_INDEX on padding
+    # (N,) int64: UTF-8 bytes of text the targets spell out (a line's end counts as one byte).
+    # Loss per byte compares models whose tokens differ: a byte-level model and Qwen's BPE.
+    target_bytes: torch.Tensor
+    # (N, T) int64 for packed rows: each example's positions restart at 0 (pack_rows)
+    positions: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.inputs.shape[0]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        if self.positions is None:
+            return self.inputs[i], self.targets[i]
+        return self.inputs[i], self.targets[i], self.positions[i]
+
+
+@dataclass(frozen=True)
+class Lines:
+    """A corpus of lines for the byte model, as the one byte stream packed_stream would make of
+    them, b"\\n" + b"\\n".join(lines) + b"\\n": the bytes are the tokens. Line i is
+    stream[edges[i] + 1 : edges[i + 1]], framed by the newlines at edges[i] and edges[i + 1].
+    `chosen` marks the lines this set uses (training or held out), kept in file order."""
+
+    stream: np.ndarray  # uint8: in memory, or a view of the token cache's file (FileArray)
+    edges: np.ndarray  # (N + 1,) the framing newlines' positions
+    key: str  # what the bytes are: the token cache's key, part of the training data's digest
+    chosen: np.ndarray | None = None  # bool, one per line; None: every line
+
+    @classmethod
+    def from_texts(cls, texts: list[str]) -> Lines:
+        encoded = [t.encode("utf-8") for t in texts]
+        stream = np.frombuffer(packed_stream(texts), dtype=np.uint8)
+        edges = np.concatenate([[0], np.cumsum([len(b) + 1 for b in encoded], dtype=np.int64)])
+        return cls(stream, edges, hashlib.sha256(stream.tobytes()).hexdigest())
+
+    def __len__(self) -> int:
+        return len(self.edges) - 1 if self.chosen is None else int(self.chosen.sum())
+
+    fmt = "text"  # lines, as describe_records says it
+
+    def subset(self, chosen: np.ndarray) -> Lines:
+        return replace(self, chosen=chosen)
+
+    def lines(self) -> np.ndarray:
+        return np.arange(len(self.edges) - 1) if self.chosen is None else np.flatnonzero(self.chosen)
+
+    def digest(self, what: str) -> str:
+        chosen = b"" if self.chosen is None else np.packbits(self.chosen).tobytes()
+        return hashlib.sha256(f"{self.key}:{what}:".encode() + chosen).hexdigest()
+
+
+def packed_stream(lines: list[str]) -> bytes:
+    """The lines as one byte stream, each framed by newlines (b"\n" + line + b"\n", sharing them)."""
+    return b"\n" + b"\n".join(line.encode("utf-8") for line in lines) + b"\n"
+
+
+class Pieces:
+    """The chosen lines read as packed_stream(those lines) would lay them out, without copying
+    them: each run of consecutive chosen lines is one piece of the corpus's stream."""
+
+    def __init__(self, corpus: Lines) -> None:
+        edges, n = corpus.edges, len(corpus.edges) - 1
+        chosen = np.ones(n, dtype=bool) if corpus.chosen is None else corpus.chosen
+        step = np.diff(np.concatenate([[False], chosen, [False]]).view(np.int8))  # +1 where a run opens, -1 after it
+        first, last = np.flatnonzero(step == 1), np.flatnonzero(step == -1) - 1
+        # A run is its lines, each with its closing newline; the first run also takes the newline before it.
+        self.starts = edges[first] + 1
+        self.starts[0] -= 1
+        self.cum = np.concatenate([[0], np.cumsum(edges[last + 1] + 1 - self.starts)])
+        self.stream = corpus.stream
+
+    def __len__(self) -> int:
+        return int(self.cum[-1])
+
+    def read(self, at: int, n: int) -> torch.Tensor:
+        """Bytes [at, at + n) of the laid-out stream (fewer at its end), as int64 token ids."""
+        end, piece, parts = min(at + n, len(self)), int(np.searchsorted(self.cum, at, side="right")) - 1, []
+        while at < end:  # a window crosses a piece's end where a held-out line was left out
+            take, start = min(end, int(self.cum[piece + 1])) - at, int(self.starts[piece]) + at - int(self.cum[piece])
+            parts.append(self.stream[start : start + take])
+            at, piece = at + take, piece + 1
+        return torch.from_numpy(np.concatenate(parts).astype(np.int64))
+
+
+class Rows(Dataset):
+    """Training examples made one row at a time, when a batch asks for it, from flat arrays of
+    tokens (read from the token cache, build_cache, as batches ask): nothing is ever held padded to
+    seq_len, so memory does not grow with seq_len x examples. Row i is (inputs, targets[,
+    positions]), each of seq_len tokens; trim_padding then cuts the batch to its longest row. The
+    byte model's rows are ShiftingWindows and ByteWindows, a pretrained model's TokenRows."""
+
+    def set_epoch(self, epoch: int) -> None:
+        """Fixed rows: only the sampler's order changes between epochs."""
+
+    @functools.cached_property
+    def whole(self) -> Examples:
+        """Every row at once, padded: for looking at a few rows, never for a real data set."""
+        columns = [torch.stack(c) for c in zip(*(self[i] for i in range(len(self))), strict=True)]
+        return Examples(columns[0], columns[1], self.target_bytes, columns[2] if len(columns) > 2 else None)
+
+    inputs = property(lambda self: self.whole.inputs)
+    targets = property(lambda self: self.whole.targets)
+    positions = property(lambda self: self.whole.positions)
+
+
+class ShiftingWindows(Rows):
+    """Packed training data: one byte stream, cut into seq_len windows (every one full: no compute
+    goes to padding) at an offset that moves every epoch, drawn from --seed and the epoch: the same
+    on every rank, and again on resume. A cut that never moved would put each byte at the same
+    position of the same window in every epoch, and a small model then memorizes "this byte at that
+    position" instead of the text, and fails on the same text anywhere else (as when sampling)."""
+
+    def __init__(self, corpus: Lines, seq_len: int, seed: int) -> None:
+        self.stream, self.seq_len, self.seed, self.offset = Pieces(corpus), seq_len, seed, 0
+        self.key = corpus.digest(f"windows:{seq_len}")
+
+    def __len__(self) -> int:
+        return max(0, (len(self.stream) - 1) // self.seq_len - 1)  # windows that fit at any offset
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        window = self.stream.read(self.offset + i * self.seq_len, self.seq_len + 1)
+        return window[:-1], window[1:]
+
+    def set_epoch(self, epoch: int) -> None:
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        self.offset = int(torch.randint(self.seq_len, (), generator=generator))
+
+    @property
+    def target_bytes(self) -> torch.Tensor:
+        return torch.full((len(self),), self.seq_len, dtype=torch.long)  # every window is full
+
+    def digest(self) -> str:
+        return self.key
+
+
+class ByteWindows(Rows):
+    """Fixed byte examples: each span of the stream cut into windows of seq_len targets that
+    overlap by one byte, so every byte is a target exactly once; only a span's last window is
+    padded. Spans are the chosen lines, each framed by its newlines (one line per example), or
+    the chosen lines laid end to end as one span (packed, as the held-out set is)."""
+
+    def __init__(self, corpus: Lines, seq_len: int, pack: bool) -> None:
+        self.stream, self.seq_len = Pieces(corpus), seq_len
+        if pack:
+            self.starts, self.lengths = np.array([0]), np.array([len(self.stream)])
+        else:  # line i spans edges[i] .. edges[i + 1], in the laid-out stream
+            self.stream = Pieces(Lines(corpus.stream, corpus.edges, corpus.key))
+            lines = corpus.lines()
+            self.starts, self.lengths = corpus.edges[lines], corpus.edges[lines + 1] + 1 - corpus.edges[lines]
+        self.cum = np.concatenate([[0], np.cumsum((self.lengths - 2) // seq_len + 1)])
+        self.key = corpus.digest(f"{'packed' if pack else 'lines'}:{seq_len}")
+
+    def __len__(self) -> int:
+        return int(self.cum[-1])
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        span = int(np.searchsorted(self.cum, i, side="right")) - 1
+        cut = (i - int(self.cum[span])) * self.seq_len
+        ids = self.stream.read(int(self.starts[span]) + cut, min(self.seq_len + 1, int(self.lengths[span]) - cut))
+        inputs = torch.zeros(self.seq_len, dtype=torch.long)
+        targets = torch.full((self.seq_len,), IGNORE_INDEX, dtype=torch.long)
+        inputs[: len(ids) - 1], targets[: len(ids) - 1] = ids[:-1], ids[1:]
+        return inputs, targets
+
+    @functools.cached_property
+    def target_bytes(self) -> torch.Tensor:
+        """Each row's targets: its window's bytes but the first."""
+        span = np.repeat(np.arange(len(self.lengths)), np.diff(self.cum))
+        cut = (np.arange(len(self)) - self.cum[span]) * self.seq_len
+        return torch.from_numpy(np.minimum(self.seq_len + 1, self.lengths[span] - cut) - 1)
+
+    def digest(self) -> str:
+        return self.key
+
+
+def encode_lines_as_bytes(lines: list[str], seq_len: int, pack: bool) -> ByteWindows:
+    """Byte-level examples (ByteWindows) of lines, each framed by newlines: b"\n" + line + b"\n".
+    The opening newline is the "start of line" the first byte is predicted from; the closing one
+    teaches the model where a line ends (and where sampling stops). pack=False: one line an example,
+    so real token counts differ between examples, ranks and micro-steps, which is what makes the
+    choice of loss normalization matter (see loss_scale)."""
+    return ByteWindows(Lines.from_texts(lines), seq_len, pack)
+
+
 class LeanDistributedSampler(DistributedSampler):
     """DistributedSampler's order exactly, whatever its arguments (the same permutation or none, the same
     padding or trimming, the same slice per rank), handed out from a tensor instead of a Python list of
@@ -518,7 +732,9 @@ class LeanDistributedSampler(DistributedSampler):
             yield from part.tolist()
 
 
-def make_train_loader(dataset: Dataset, cfg: RunConfig, d: Dist) -> tuple[DataLoader, DistributedSampler]:
+def make_train_loader(
+    dataset: Dataset, cfg: RunConfig, d: Dist, collate: Callable[[list], tuple] = trim_padding
+) -> tuple[DataLoader, DistributedSampler]:
     # Every rank builds the same permutation (same seed, same epoch) and keeps every
     # world_size-th index starting at its rank: disjoint shards that together cover the data.
     # drop_last trims the permutation to a multiple of world_size instead of padding it with
@@ -539,7 +755,7 @@ def make_train_loader(dataset: Dataset, cfg: RunConfig, d: Dist) -> tuple[DataLo
         batch_size=cfg.batch_size,
         sampler=sampler,
         drop_last=True,  # equal batch counts on every rank, so no rank waits in an all-reduce alone
-        collate_fn=collate_for(cfg),
+        collate_fn=collate,
         pin_memory=d.device.type == "cuda",
         # Each iter(loader) draws a seed for its workers. From the global RNG, that draw would
         # shift the dropout stream, and a resumed run (which starts its epoch's iterator where
@@ -654,29 +870,33 @@ class ModelKit:
     val: Rows | None  # held-out lines (--val-fraction), fixed windows; None when there are none
     # (module, inputs, targets[, positions]) -> the sum of the target tokens' losses
     loss: Callable[..., torch.Tensor]
-    sample: Callable[[nn.Module, str], str]  # (unwrapped model, prompt) -> text
     # (unwrapped model, step, its whole state dict or None: the model's own) -> path written
     save_final: Callable[[nn.Module, int, dict | None], Path]
     final_name: str  # what save_final writes inside OUTPUT_DIR
     final_label: str  # ... and what that is, for the log
-    flops_per_token: float  # training FLOPs per token, for MFU
     describe: str
+    collate: Callable[[list], tuple] = trim_padding  # how a micro-batch's rows are stacked
     data_report: str = ""  # what became of the records on the way to examples
     loss_module: nn.Module | None = None  # what DDP wraps and `loss` runs, if not the model (LeanHeadLoss)
     blocks: list[nn.Module] = field(default_factory=list)  # the Transformer blocks: FSDP's units
-    reload: Callable[[Path], nn.Module] | None = None  # save_final's output read back, as a plain model
     split: object | None = None  # a model that arrives split, as transformers' tp_plan loads it (PlannedTensorParallel)
+    # What the full script adds (tiny_kit, build_pretrained_kit):
+    sample: Callable[[nn.Module, str], str] | None = None  # (unwrapped model, prompt) -> text
+    flops_per_token: float = 0.0  # training FLOPs per token, for MFU
+    reload: Callable[[Path], nn.Module] | None = None  # save_final's output read back, as a plain model
 
     @property
     def trained(self) -> nn.Module:
         return self.loss_module or self.model
 
 
-def build_tiny_kit(cfg: RunConfig, d: Dist, lines: Lines, val_lines: Lines) -> ModelKit:
-    config = TinyConfig(
-        seq_len=cfg.seq_len, d_model=cfg.d_model, n_heads=cfg.n_heads, n_layers=cfg.n_layers, dropout=cfg.dropout
-    )
-    check_model_fits(tiny_parameter_count(config), d)  # a clear refusal, not an allocation error
+def tiny_config(cfg: RunConfig) -> TinyConfig:
+    return TinyConfig(seq_len=cfg.seq_len, d_model=cfg.d_model, n_heads=cfg.n_heads, n_layers=cfg.n_layers,
+                      dropout=cfg.dropout)  # fmt: skip
+
+
+def build_tiny_kit(cfg: RunConfig, d: Dist, lines: Lines, val_lines: Lines | None = None) -> ModelKit:
+    config = tiny_config(cfg)
     # Same seed on every rank: the replicas start identical. (DDP would also broadcast rank
     # 0's weights when it wraps the model, but equal seeds make single-process runs match.)
     torch.manual_seed(cfg.seed)
@@ -693,18 +913,33 @@ def build_tiny_kit(cfg: RunConfig, d: Dist, lines: Lines, val_lines: Lines) -> M
     return ModelKit(
         model=model,
         train=ShiftingWindows(lines, cfg.seq_len, cfg.seed) if cfg.pack else ByteWindows(lines, cfg.seq_len, False),
-        val=ByteWindows(val_lines, cfg.seq_len, cfg.pack) if len(val_lines) else None,
+        val=ByteWindows(val_lines, cfg.seq_len, cfg.pack) if val_lines is not None and len(val_lines) else None,
         loss=lambda m, ids, targets: token_loss_sum(m(ids), targets),
-        sample=lambda raw, prompt: generate_bytes(raw, prompt, cfg.sample_tokens, cfg.seed),
         save_final=save_final,
         final_name=TINY_FINAL,
         final_label="model checkpoint",
-        flops_per_token=training_flops_per_token(model, cfg.n_layers, cfg.d_model, cfg.seq_len),
         describe=f"tiny Transformer: {cfg.n_layers} layer(s), d_model {cfg.d_model}, "
         f"{cfg.n_heads} heads, {n_params:,} parameters",
         blocks=list(model.blocks),
-        reload=lambda path: load_tiny_checkpoint(path, d.device),
     )
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write to a temp file in the same folder, fsync, then rename over the target.
+
+    A rename within one file system is atomic: readers see the old file or the new one,
+    never half of one, even if the process dies mid-write.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -732,7 +967,7 @@ class CommStats:
         self.step_layout: dict[int, tuple[int, list[str]]] = {}
         self.layout: list[tuple[int, list[str]]] = []  # per bucket: (bytes, parameter names)
         self.local_grads: dict[str, torch.Tensor] | None = None  # set to {} to capture one step
-        self.timeline: Timeline | None = None  # --trace-steps: each bucket's all-reduce becomes a span
+        self.timeline: Any = None  # --trace-steps: a Timeline, on which each collective becomes a span
 
     @functools.cached_property
     def name_of(self) -> dict[int, str]:  # at the first bucket: after tensor parallelism made its parameters
@@ -849,6 +1084,20 @@ class Layout:
         """A forward without backward has run (the held-out loss)."""
 
 
+def to_cpu(tree: object) -> object:
+    """Every tensor of a state (dicts and lists of them) on the CPU, where rank 0 writes it from."""
+    if torch.is_tensor(tree):
+        return tree.cpu()
+    if isinstance(tree, dict):
+        return {k: to_cpu(v) for k, v in tree.items()}
+    return [to_cpu(v) for v in tree] if isinstance(tree, list) else tree
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """The slice of a tensor this rank holds: a DTensor's local shard (fully_shard), else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 class TorchDDP(DDP, Layout):
     """torch's DistributedDataParallel, answering as every replicated model does, in one layout.
     Left alone, torch 2.13's reducer sends step 1 as one bucket in registration order, then rebuilds
@@ -866,6 +1115,31 @@ class TorchDDP(DDP, Layout):
         self.searched = True  # the first search warns, once a process, that it found none: expected here
         with without_stderr_lines("find_unused_parameters=True was specified"):
             return super()._post_forward(output)
+
+
+@contextlib.contextmanager
+def without_stderr_lines(text: str) -> Iterator[None]:
+    """Run the block with file descriptor 2 caught (C++ writes there, past Python's warnings
+    filters), then write back every line but those holding text. Kept to blocks that run no model
+    code: a crash inside would take what they printed with it."""
+    sys.stderr.flush()
+    try:
+        caught = tempfile.TemporaryFile()  # noqa: SIM115 (closed by the with below)
+    except OSError:  # nowhere to catch it: the line shows, the run goes on
+        yield
+        return
+    saved = os.dup(2)
+    with caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            with contextlib.suppress(OSError):  # a closed stderr (the launcher gone) must not mask the block's error
+                os.write(2, b"".join(line for line in caught if text.encode() not in line))
 
 
 class Wrapper(Layout, nn.Module):
@@ -1067,25 +1341,71 @@ def loss_scale(cfg: RunConfig, d: Dist, micro_tokens: int, global_tokens: float)
 
 @dataclass
 class MicroStep:
-    """One micro-batch's forward and backward, as every layout runs them (forward_backward): under
-    autocast, the loss as the model kit computes it, backward through fp16's GradScaler when there
-    is one, each phase marked for the timers (SideWork.mark)."""
+    """One micro-batch's forward and backward, as every layout runs them (forward_backward): the loss
+    as the model kit computes it, under the hooks' autocast, backward through fp16's GradScaler when
+    there is one, each phase marked for the timers (Hooks.mark)."""
 
     kit: ModelKit
-    precision: str
-    scaler: torch.amp.GradScaler | None
-    side: SideWork
+    hooks: Hooks
     device: torch.device
 
     def forward(self, model: nn.Module, batch: tuple) -> torch.Tensor:
-        with autocast_for(self.precision, self.device):
-            loss = self.side.loss(self.kit.loss(model, *batch))  # a NaN here under --inject-fault R:S:nan
-        self.side.mark("forward")
+        with self.hooks.autocast():
+            loss = self.hooks.loss(self.kit.loss(model, *batch))  # a NaN here under --inject-fault R:S:nan
+        self.hooks.mark("forward")
         return loss
 
     def backward(self, scaled: torch.Tensor) -> None:
-        (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-        self.side.mark("backward")
+        (self.hooks.scaler.scale(scaled) if self.hooks.scaler else scaled).backward()
+        self.hooks.mark("backward")
+
+
+class Hooks:
+    """What train() does besides the DDP steps, called at fixed points of every step. This default does
+    nothing: the core alone trains in fp32 and says nothing. The full script fills it (RunHooks): resume,
+    the run's header, progress and metrics, evaluation, checkpoints, faults on purpose, stop requests,
+    the timeline, --inspect and --verify-sync."""
+
+    scaler: torch.amp.GradScaler | None = None  # fp16's loss scaling: small gradients would underflow
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # forward in fp32
+
+    def before_wrap(self, kit: ModelKit, stats: CommStats) -> None:
+        """The model is split but not wrapped: gradient hooks registered now run before the wrapper's."""
+
+    def start(self, model: Layout, named_params: list, optimizer: torch.optim.Optimizer,
+              sampler: DistributedSampler, steps_per_epoch: int) -> Progress:  # fmt: skip
+        return Progress()  # where the run starts: step 0, or a checkpoint's step
+
+    def begin_step(self, step: int) -> None: ...
+
+    def mark(self, phase: str) -> None: ...  # the step reached the end of a phase: data, forward, ...
+
+    def loss(self, micro_loss: torch.Tensor) -> torch.Tensor:
+        return micro_loss
+
+    def votes(self) -> list[float]:
+        return []  # facts every rank must hear before backward, in the step's one small all-reduce
+
+    def heard(self, votes: list[float]) -> bool:
+        return False  # whether to stop now, given the votes summed over the ranks
+
+    def gradients_synced(self, step: int, model: Layout, named_params: list, sent: tuple[int, int],
+                         local_loss_sum: torch.Tensor, micro_tokens: list[int]) -> None: ...  # fmt: skip
+
+    def non_finite(self, step: int, loss: float, grad_norm: float, local_loss_sum: float) -> None:
+        raise TrainingError(f"non-finite loss or gradient norm at step {step} (loss {loss}, grad norm {grad_norm})")
+
+    def before_update(self, step: int, model: Layout, named_params: list) -> None: ...
+
+    def after_update(self, step: int, model: Layout, named_params: list, optimizer: torch.optim.Optimizer) -> None: ...
+
+    def step_done(self, metrics: dict[str, float], tokens: int, seconds: float, model: Layout,
+                  named_params: list, optimizer: torch.optim.Optimizer, progress: Progress) -> None: ...  # fmt: skip
+
+    def finish(self, model: Layout, named_params: list, optimizer: torch.optim.Optimizer, progress: Progress) -> None:
+        """The loop has ended: finished, or stopped when heard() said so."""
 
 
 def lr_at(cfg: RunConfig, step: int) -> float:
@@ -1094,12 +1414,24 @@ def lr_at(cfg: RunConfig, step: int) -> float:
 
     A pure function of the step, identical on every rank, so it needs no saved state.
     """
-    warmup = warmup_steps(cfg)  # --warmup-steps, or a tenth of the run if it is over half of it
+    warmup = warmup_steps(cfg)
     if step <= warmup:
         return cfg.lr * step / warmup
     peak = max(warmup, 1)  # the step that trains at the full rate, where the decay starts
     done = (step - peak) / max(1, cfg.max_steps - peak)
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(done, 1.0)))
+
+
+WARMUP_SHARE = 0.1  # of the run, when --warmup-steps would take more than half of it
+
+
+def warmup_steps(cfg: RunConfig) -> int:
+    """--warmup-steps, unless that is more than half the run: a run that is (nearly) all warmup
+    ends at the peak rate and never decays, as a short --epochs run would with the default 20.
+    Then a tenth of the run (at least one step)."""
+    if cfg.warmup_steps * 2 <= cfg.max_steps:
+        return cfg.warmup_steps
+    return max(1, int(cfg.max_steps * WARMUP_SHARE))
 
 
 def make_optimizer(cfg: RunConfig, d: Dist, params: list[nn.Parameter], stats: CommStats) -> torch.optim.Optimizer:
@@ -1144,61 +1476,38 @@ class Progress:
     history: list[dict[str, float]] = field(default_factory=list)  # every step's loss (and val loss)
 
 
-@dataclass
-class TrainResult:
-    progress: Progress
-    tokens: int  # trained on in this attempt (a resumed run counts from its checkpoint)
-    seconds: float  # spent in training steps in this attempt
-    stopped_by: str | None  # the signal's name, when a stop request ended the run early
-    trace: list[list[Span]]  # --trace-steps: every rank's spans (rank 0 only)
-    model: nn.Module  # as trained: wrapped by DDP, or sharded
-    memory: list[dict]  # every rank's training state in bytes, measured and predicted (rank 0 only)
-    traffic: dict[str, tuple[float, float]]  # this rank's collectives by kind: (calls, bytes) per step
-
-
-def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings: dict) -> TrainResult:
+def train(cfg: RunConfig, d: Dist, kit: ModelKit, hooks: Hooks | None = None) -> tuple[Layout, Progress]:
     """The loop: each rank's slice, one small all-reduce before backward, k-1 micro-steps in no_sync,
-    backward (the bucket all-reduces), finish_gradient_sync, clip, step. Around it, at fixed points,
-    SideWork (timers, faults, checks), Reporter (the reports) and StateSaver (the checkpoints)."""
-    loader, sampler = make_train_loader(kit.train, cfg, d)
+    backward (the bucket all-reduces), finish_gradient_sync, clip, step; the side work at fixed
+    points, through `hooks`. Returns the model as trained (wrapped, sharded or split) and where it got."""
+    hooks = hooks or Hooks()
+    loader, sampler = make_train_loader(kit.train, cfg, d, kit.collate)
     stats = CommStats(kit.model, compress=cfg.grad_compression == "bf16")
     split = split_model(kit, cfg, d, stats)  # tensor parallelism makes new parameters: before any hook
-    side = SideWork(cfg, d, kit, stats, resume["progress"]["step"] if resume else 0)  # its hooks run first
+    hooks.before_wrap(kit, stats)
     model = wrap_model(kit, cfg, d, stats, split)
     named_params = trainable_parameters(kit.model)  # again: torch's fully_shard replaces every parameter
     params = [p for _, p in named_params]
     optimizer = make_optimizer(cfg, d, params, stats)
-    precision = choose_precision(cfg, d)
-    # fp16 needs loss scaling: small gradients would underflow to zero. bf16 has fp32's range.
-    scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
-    micro = MicroStep(kit, precision, scaler, side, d.device)
-    progress = resume_training(resume, model, named_params, optimizer, scaler, d) if resume else Progress()
-    k, steps_per_epoch = cfg.grad_accum_steps, len(loader) // cfg.grad_accum_steps
-    announce_run(cfg, d, sampler, steps_per_epoch, precision, model, optimizer, named_params)
-    saver = StateSaver(cfg, d, settings, progress.step if resume else None)
-    reporter = Reporter(cfg, d, kit, progress, precision)
+    micro = MicroStep(kit, hooks, d.device)
+    steps_per_epoch = len(loader) // cfg.grad_accum_steps
+    progress = hooks.start(model, named_params, optimizer, sampler, steps_per_epoch)
     model.train()
-    stream = steps_from(loader, sampler, k, progress.step)
-    stopped_by = None
+    stream = steps_from(loader, sampler, cfg.grad_accum_steps, progress.step)
     while progress.step < cfg.max_steps:
-        step = progress.step + 1
-        started = side.begin_step(step)
+        step, started = progress.step + 1, time.perf_counter()
+        hooks.begin_step(step)
         cpu_batches = next(stream)
         # Count target tokens while the batch is still on the CPU: on a GPU it would be a sync.
         micro_tokens = [int((batch[1] != IGNORE_INDEX).sum()) for batch in cpu_batches]
         micro_batches = [tuple(t.to(d.device, non_blocking=True) for t in batch) for batch in cpu_batches]
-        side.mark("data")
-        # One small all-reduce before any backward carries the facts every rank must share: the
-        # global token count the loss divides by, whether any rank was asked to stop (STOP, section
-        # 14), and whether rank 0's last metrics write failed.
-        asked = [sum(micro_tokens) * model.split.loss_share, STOP.signal is not None, reporter.failure is not None]
-        global_tokens, stop_votes, failed = all_reduce_sum(d, asked)
-        if failed:
-            reporter.share_failure()
-        if stop_votes:
-            stopped_by = signal.Signals(STOP.signal).name if STOP.signal else "another rank's signal"
+        hooks.mark("data")
+        # One small all-reduce before any backward carries the facts every rank must share: the global
+        # token count the loss divides by, and the hooks' votes (a stop request, a failed write).
+        global_tokens, *votes = all_reduce_sum(d, [sum(micro_tokens) * model.split.loss_share, *hooks.votes()])
+        if hooks.heard(votes):
             break
-        side.mark("sync")
+        hooks.mark("sync")
         lr = lr_at(cfg, step)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -1207,50 +1516,35 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings:
         scales = [loss_scale(cfg, d, n, global_tokens) for n in micro_tokens]
         loss_sum = model.forward_backward(micro_batches, scales, micro)
         model.finish_gradient_sync()
-        side.mark("sync")
+        hooks.mark("sync")
         sent = stats.end_step()
         # Each rank's loss covers its own shard; the sum over ranks, divided by the global
         # token count, is the loss of the global batch: the number the update follows.
         local_loss_sum = loss_sum.clone()
         if d.distributed:
             dist.all_reduce(loss_sum)  # on the device: nothing is read back yet
-        if scaler:
-            scaler.unscale_(optimizer)  # clip and report the true gradient, not the scaled one
-        side.gradients_synced(step, model, named_params, sent, local_loss_sum, micro_tokens)
+        if hooks.scaler:
+            hooks.scaler.unscale_(optimizer)  # clip and report the true gradient, not the scaled one
+        hooks.gradients_synced(step, model, named_params, sent, local_loss_sum, micro_tokens)
         norm = model.clip_gradients(params, cfg.grad_clip)
         # The step's one read from the device (on a GPU, a wait for it): the guard below must
         # know before the update whether the loss and gradient are finite.
         global_loss_sum, grad_norm = torch.stack([loss_sum.float(), norm.float()]).tolist()
         loss = global_loss_sum / global_tokens
-        side.mark("sync")
+        hooks.mark("sync")
         # With fp16 an overflowing gradient is routine: the scaler skips that step and lowers
         # its scale, identically on every rank. Anything else non-finite stops the run.
-        if not math.isfinite(loss) or (not math.isfinite(grad_norm) and scaler is None):
-            raise_non_finite(d, step, loss, grad_norm, local_loss_sum.item())
-        side.before_update(step, model, named_params)
-        optimizer_step(optimizer, scaler)
-        side.after_update(step, model, named_params, optimizer)
-        step_seconds = time.perf_counter() - started
+        if not math.isfinite(loss) or (not math.isfinite(grad_norm) and hooks.scaler is None):
+            hooks.non_finite(step, loss, grad_norm, local_loss_sum.item())
+        hooks.before_update(step, model, named_params)
+        optimizer_step(optimizer, hooks.scaler)
+        hooks.after_update(step, model, named_params, optimizer)
         progress.step, progress.tokens_seen = step, progress.tokens_seen + int(global_tokens)
-        val = evaluate(cfg, d, kit, model, precision) if evaluation_due(cfg, kit, step) else {}
-        metrics = {
-            "step": step,
-            "loss": loss,
-            "lr": lr,
-            "grad_norm": grad_norm,
-            **val,
-            **sent_in_buckets(model, *sent),
-        }
-        reporter.step_done(metrics, int(global_tokens), step_seconds, steps_per_epoch, side)
-        if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.max_steps):
-            saver.save(model, named_params, optimizer, scaler, progress)
-    if all_reduce_sum(d, [reporter.failure is not None])[0]:  # the last step's write, which no vote followed
-        reporter.share_failure()
-    if stopped_by:
-        saver.save(model, named_params, optimizer, scaler, progress)
-    reporter.close()
-    trace, memory = side.finish(model, optimizer)
-    return TrainResult(progress, reporter.tokens, reporter.seconds, stopped_by, trace, model, memory, stats.per_step())
+        metrics = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm}
+        hooks.step_done(metrics, int(global_tokens), time.perf_counter() - started, model, named_params, optimizer,
+                        progress)  # fmt: skip
+    hooks.finish(model, named_params, optimizer, progress)
+    return model, progress
 
 
 def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -1374,6 +1668,53 @@ def holds_a_share(optimizer: torch.optim.Optimizer) -> bool:
     """ZeRO-1 (ShardedOptimizer, torch's ZeroRedundancyOptimizer): each rank's inner optimizer holds
     the state of its own parameters only."""
     return hasattr(optimizer, "optim")
+
+
+def rank0_optimizer_state(d: Dist, optimizer: torch.optim.Optimizer, named_params: list,
+                          whole: Callable[[str, torch.Tensor], torch.Tensor]) -> dict:  # fmt: skip
+    """The optimizer's whole state on rank 0 ({} elsewhere); a collective under ZeRO-1, whose ranks
+    each hold the state of their own parameters (it is collected), and under tensor parallelism,
+    whose moments are sliced like their parameters (whole(name, moment) gathers each)."""
+    if isinstance(optimizer, ShardedOptimizer):
+        return optimizer.state_dict(to=0, group=d.control)  # over Gloo: the state stays off the GPUs
+    if holds_a_share(optimizer):  # torch's ZeroRedundancyOptimizer
+        optimizer.consolidate_state_dict(to=0)
+        return optimizer.state_dict() if d.is_main else {}
+    state = optimizer.state_dict()
+    moments = {i: {k: whole(named_params[i][0], v) if torch.is_tensor(v) and v.dim() else v for k, v in s.items()}
+               for i, s in state["state"].items()}  # fmt: skip
+    return {**state, "state": moments} if d.is_main else {}
+
+
+def optimizer_state_tensors(named_params: list, optimizer: torch.optim.Optimizer) -> list:
+    """(name, parameter, tensor) for each tensor of the optimizer's state (Adam's moments and step)."""
+    return [(f"optimizer {k} of {n}", p, v) for n, p in named_params
+            for k, v in optimizer.state.get(p, {}).items() if torch.is_tensor(v)]  # fmt: skip
+
+
+def describe_optimizer_share(named_params: list, optimizer: torch.optim.Optimizer) -> list[str]:
+    mine = {p for group in optimizer.optim.param_groups for p in group["params"]}
+    owned = [(n, p) for n, p in named_params if p in mine]
+    names = ", ".join(n for n, _ in owned[:4]) + (f", ... ({len(owned)} tensors)" if len(owned) > 4 else "")
+    total = sum(p.numel() for _, p in named_params)
+    return [f"optimizer state of {sum(p.numel() for _, p in owned):,} of {total:,} weights: {names}"]
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    inner = getattr(optimizer, "optim", optimizer)
+    # A saved group carries how the saving run stepped (fused or a per-tensor loop): this run keeps its own.
+    kept = [[{k: g[k] for k in ("fused", "foreach") if k in g} for g in o.param_groups] for o in (optimizer, inner)]
+    optimizer.load_state_dict(state)  # ShardedOptimizer and ZeroRedundancyOptimizer keep their own share
+    for o, groups in zip((optimizer, inner), kept, strict=True):
+        for group, own in zip(o.param_groups, groups, strict=True):
+            group.update(own)
+    # torch's ZeroRedundancyOptimizer moves every 0-d state tensor (Adam's step) to the CPU as it
+    # loads (torch 2.13), and the fused and capturable kernels refuse a step that is not on its
+    # parameter's device (pytorch#124133): put it where a step() would have kept it.
+    if inner.defaults.get("fused") or inner.defaults.get("capturable"):
+        for p, s in inner.state.items():
+            if torch.is_tensor(s.get("step")):
+                s["step"] = s["step"].to(p.device, torch.float32)
 
 
 @dataclass(eq=False)
@@ -2255,7 +2596,7 @@ class Pipeline(PipelineState, Wrapper):
         t, start = torch.empty(shape, device=self.d.device), self.mark()
         dist.irecv(t, self.ranks[self.d.pp_rank + frm], group=self.group).wait()
         self.span("recv", start, {"from stage": self.d.pp_rank + frm, "bytes": t.nbytes})
-        micro.side.mark("bubble")  # this stage idle, waiting for its neighbour
+        micro.hooks.mark("bubble")  # this stage idle, waiting for its neighbour
         return t
 
     def mark(self) -> object:
@@ -2279,9 +2620,9 @@ class Pipeline(PipelineState, Wrapper):
                 losses.append(loss.detach())
                 outputs[m] = loss * scales[m]
             else:
-                with autocast_for(micro.precision, self.d.device):
+                with micro.hooks.autocast():
                     outputs[m] = self.module(x)
-                micro.side.mark("forward")
+                micro.hooks.mark("forward")
                 self.send(outputs[m], +1)
             inputs[m] = x
 
@@ -2291,7 +2632,7 @@ class Pipeline(PipelineState, Wrapper):
                 micro.backward(y)
             else:
                 y.backward(self.receive(y.shape, +1, micro))
-                micro.side.mark("backward")
+                micro.hooks.mark("backward")
             if not self.first:
                 self.send(x.grad, -1)
 
@@ -2343,7 +2684,7 @@ class TorchPipeline(Pipeline):
         losses: list[torch.Tensor] = []
 
         def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            loss = micro.side.loss(token_loss_sum(logits, targets))
+            loss = micro.hooks.loss(token_loss_sum(logits, targets))
             losses.append(loss.detach())
             return loss * scale_of[int((targets != IGNORE_INDEX).sum())]
 
@@ -2354,7 +2695,7 @@ class TorchPipeline(Pipeline):
             self.schedule = kind(stage, len(batches), loss_fn=lambda y, t: self.loss_fn(y, t), scale_grads=False)
         self.loss_fn = loss_fn
         ids, targets = (torch.cat(column) for column in zip(*batches, strict=True))
-        with autocast_for(micro.precision, self.d.device):
+        with micro.hooks.autocast():
             if self.first:
                 self.schedule.step(ids)
             else:
@@ -2383,6 +2724,76 @@ def wrap_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats, split: 
             replicate(unit, mesh=d.mesh["dp"])
         return TorchReplicated(kit.trained, kit.model, split)
     return wrap_data_parallel(kit.trained, cfg, d, stats, split)
+
+
+# ----- The core on its own: the text above the banner, saved alone beside corpus.txt, is a program -----
+
+
+def add_flags(parser: argparse.ArgumentParser, read: Callable[[dict], dict]) -> argparse.ArgumentParser:
+    """A flag for each RunConfig field, in its --help group; `read` turns the field's metadata into
+    argparse's arguments (the full script checks ranges as it reads them: checked_reading)."""
+    group = parser
+    for setting in fields(RunConfig):
+        reading = read(dict(setting.metadata))
+        help_line, title = reading.pop("help"), reading.pop("group")
+        group = parser.add_argument_group(title) if title else group
+        default = ",".join(setting.default) if isinstance(setting.default, tuple) else setting.default
+        group.add_argument("--" + setting.name.replace("_", "-"), default=default, help=help_line, **reading)
+    return parser
+
+
+def plain_reading(metadata: dict) -> dict:
+    """A flag as the core alone reads it: a range as its kind of number, unchecked; a type named in words as text."""
+    within = metadata.pop("within", None)
+    if within or isinstance(metadata.get("type"), str):
+        metadata["type"] = within["kind"] if within else str
+    return metadata
+
+
+def core_settings(argv: list[str] | None = None) -> RunConfig:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = add_flags(argparse.ArgumentParser(description="The teaching core alone: the tiny model on the corpus, "
+                                               "across the ranks torchrun starts"), plain_reading)  # fmt: skip
+    args, typed = parser.parse_args(argv), {word.split("=", 1)[0] for word in argv if word.startswith("--")}
+    settle_defaults(args, typed)
+    if ignored := [f"--{s.name.replace('_', '-')}" for s in fields(RunConfig)
+                   if s.name not in CORE_SETTINGS and f"--{s.name.replace('_', '-')}" in typed]:  # fmt: skip
+        print(f"[core] ignored: {', '.join(ignored)}; the full script, llm_ddp_parallel_training.py, does that")
+    return RunConfig(**vars(args))
+
+
+class PrintLoss(Hooks):
+    """The core's one piece of side work: rank 0 prints each step's loss."""
+
+    def __init__(self, d: Dist) -> None:
+        self.d = d
+
+    def step_done(self, metrics: dict[str, float], *_: object) -> None:
+        if self.d.is_main:
+            print(f"step {int(metrics['step']):>5} | loss {metrics['loss']:.4f}", flush=True)
+
+
+def run_core(argv: list[str] | None = None) -> None:
+    """launch -> connect -> shard -> train -> sync -> save: the seed's six stages, with nothing else."""
+    cfg = core_settings(argv)
+    torch.set_flush_denormal(True)  # denormal gradients (after ~100 steps) run in slow microcode on x86 CPUs
+    d = setup_distributed(cfg)  # torchrun launched this process; it joins the others
+    try:
+        if d.is_main:
+            print(f"[core] {d.world_size} process(es), backend {d.backend or 'none'} on {d.device}: {d.why}")
+        text = cfg.corpus_file.read_text(encoding="utf-8")
+        kit = build_tiny_kit(cfg, d, Lines.from_texts([line.strip() for line in text.split("\n") if line.strip()]))
+        torch.manual_seed(cfg.seed + d.rank // d.tp)  # dropout: each replica its own stream (run says why)
+        model, progress = train(cfg, d, kit, PrintLoss(d))  # sharded or split as the flags say
+        whole = model.whole_state_dict(d, kit.model)  # a collective where no rank holds the whole model
+        if d.is_main:
+            print(f"[save] {kit.save_final(kit.model, progress.step, whole)}")
+    finally:
+        teardown_distributed()
+
+
+if __name__ == "__main__" and "\ndef main(" not in Path(__file__).read_text(encoding="utf-8"):
+    run_core()  # the core saved alone; in the whole script, main() runs
 
 
 # ==============================================================================================
@@ -2496,18 +2907,17 @@ def build_arg_parser() -> argparse.ArgumentParser:
         "and many machines.",
         formatter_class=_HelpFormatter,
     )
-    group = parser
-    for setting in fields(RunConfig):
-        reading = dict(setting.metadata)
-        help_line, title = reading.pop("help"), reading.pop("group")
-        if "within" in reading:
-            reading["type"] = Within(**reading.pop("within"))
-        if reading.get("type") in READERS:
-            reading["type"] = READERS[reading["type"]]
-        group = parser.add_argument_group(title) if title else group
-        default = ",".join(setting.default) if isinstance(setting.default, tuple) else setting.default
-        group.add_argument("--" + setting.name.replace("_", "-"), default=default, help=help_line, **reading)
-    return parser
+    return add_flags(parser, checked_reading)
+
+
+def checked_reading(metadata: dict) -> dict:
+    """A flag as the full script reads it: a range checked as argparse reads it (Within), a type named
+    in words read by its reader (READERS)."""
+    if "within" in metadata:
+        metadata["type"] = Within(**metadata.pop("within"))
+    if metadata.get("type") in READERS:
+        metadata["type"] = READERS[metadata["type"]]
+    return metadata
 
 
 def parse_args(argv: list[str] | None = None) -> RunConfig:
@@ -2526,18 +2936,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
             f"{' and '.join([', '.join(given[:-1]), given[-1]] if len(given) > 1 else given)} {is_} for "
             f"{meant_for}; {ignored_by} would ignore {it}: {fix}leave {it} out"
         )
-    if args.pp > 1 and "--grad-accum-steps" not in {word.split("=", 1)[0] for word in argv}:
-        args.grad_accum_steps = args.pp  # a pipeline's micro-batches: one per stage, or stages idle (announce_run)
-    if args.max_steps is None:  # 0: no cap, for --epochs to decide (see steps_for_epochs)
-        args.max_steps = 0 if args.epochs else 600
-    if args.pack is None:  # byte windows cut anywhere; a pretrained model packs whole examples, kept apart, when asked
-        args.pack = args.model == "tiny"
-    if (
-        args.lr is None
-    ):  # a pretrained model wants a far gentler step than one from scratch; all its weights gentler still
-        args.lr = (2e-5 if args.finetune == "full" else 2e-4) if args.model == "hf" else 3e-3
-    if args.min_lr is None:
-        args.min_lr = args.lr / 10
+    settle_defaults(args, {word.split("=", 1)[0] for word in argv})
     if args.cache_dir is None:
         args.cache_dir = default_cache_dir()
     else:
@@ -2684,8 +3083,8 @@ def end_with_the_launcher() -> None:
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
 
 
-def rank_facts_from_env() -> tuple[int, int, int, int]:
-    """(rank, world size, local rank, local world size) as torchrun exported them, checked: a
+def check_rank_variables() -> None:
+    """The rank variables torchrun exports, checked before setup_distributed reads them: a
     leftover `export RANK=...` or a hand-made launch gets one line now, not a ValueError from
     init_process_group or a wait for ranks that never come."""
     env = os.environ
@@ -2702,7 +3101,6 @@ def rank_facts_from_env() -> tuple[int, int, int, int]:
         raise UsageError(f"rank variables are inconsistent ({shown}): {fix}")
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
         raise UsageError(f"{shown} are set but MASTER_ADDR or MASTER_PORT is not: {fix}")
-    return rank, world, local_rank, local_world
 
 
 def rendezvous_store(timeout: timedelta) -> tuple[dist.Store | None, str | None]:
@@ -2914,27 +3312,6 @@ def read_corpus_lines(path: Path) -> list[str]:
     if not lines:
         raise UsageError(f"corpus file has no non-blank lines: {path}")
     return lines
-
-
-@dataclass(frozen=True)
-class Examples(Dataset):
-    """Rows as padded tensors, all in memory: a handful of rows to look at (Rows.whole), or your own."""
-
-    inputs: torch.Tensor  # (N, T) int64
-    targets: torch.Tensor  # (N, T) int64, IGNORE_INDEX on padding
-    # (N,) int64: UTF-8 bytes of text the targets spell out (a line's end counts as one byte).
-    # Loss per byte compares models whose tokens differ: a byte-level model and Qwen's BPE.
-    target_bytes: torch.Tensor
-    # (N, T) int64 for packed rows: each example's positions restart at 0 (pack_rows)
-    positions: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return self.inputs.shape[0]
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
-        if self.positions is None:
-            return self.inputs[i], self.targets[i]
-        return self.inputs[i], self.targets[i], self.positions[i]
 
 
 def read_records(path: Path, data_format: str, limit: int | None = None) -> tuple[list[Record], str]:
@@ -3352,177 +3729,6 @@ class Tokens:
 
     def records(self) -> np.ndarray:
         return np.arange(len(self.offsets) - 1) if self.chosen is None else np.flatnonzero(self.chosen)
-
-
-# ----- the byte model's rows: windows of the corpus's byte stream, read from the token cache -----
-
-
-@dataclass(frozen=True)
-class Lines:
-    """A corpus of lines for the byte model, as the one byte stream packed_stream would make of
-    them, b"\\n" + b"\\n".join(lines) + b"\\n": the bytes are the tokens. Line i is
-    stream[edges[i] + 1 : edges[i + 1]], framed by the newlines at edges[i] and edges[i + 1].
-    `chosen` marks the lines this set uses (training or held out), kept in file order."""
-
-    stream: np.ndarray | FileArray  # uint8, read from the token cache (FileArray), or in memory
-    edges: np.ndarray | FileArray  # (N + 1,) the framing newlines' positions
-    key: str  # what the bytes are: the token cache's key, part of the training data's digest
-    chosen: np.ndarray | None = None  # bool, one per line; None: every line
-
-    @classmethod
-    def from_texts(cls, texts: list[str]) -> Lines:
-        encoded = [t.encode("utf-8") for t in texts]
-        stream = np.frombuffer(packed_stream(texts), dtype=np.uint8)
-        edges = np.concatenate([[0], np.cumsum([len(b) + 1 for b in encoded], dtype=np.int64)])
-        return cls(stream, edges, sha256(stream.tobytes()))
-
-    def __len__(self) -> int:
-        return len(self.edges) - 1 if self.chosen is None else int(self.chosen.sum())
-
-    fmt = "text"  # lines, as describe_records says it
-
-    def subset(self, chosen: np.ndarray) -> Lines:
-        return replace(self, chosen=chosen)
-
-    def lines(self) -> np.ndarray:
-        return np.arange(len(self.edges) - 1) if self.chosen is None else np.flatnonzero(self.chosen)
-
-    def digest(self, what: str) -> str:
-        chosen = b"" if self.chosen is None else np.packbits(self.chosen).tobytes()
-        return sha256(f"{self.key}:{what}:".encode() + chosen)
-
-
-def packed_stream(lines: list[str]) -> bytes:
-    """The lines as one byte stream, each framed by newlines (b"\n" + line + b"\n", sharing them)."""
-    return b"\n" + b"\n".join(line.encode("utf-8") for line in lines) + b"\n"
-
-
-class Pieces:
-    """The chosen lines read as packed_stream(those lines) would lay them out, without copying
-    them: each run of consecutive chosen lines is one piece of the corpus's stream."""
-
-    def __init__(self, corpus: Lines) -> None:
-        edges, n = corpus.edges, len(corpus.edges) - 1
-        chosen = np.ones(n, dtype=bool) if corpus.chosen is None else corpus.chosen
-        step = np.diff(np.concatenate([[False], chosen, [False]]).view(np.int8))  # +1 where a run opens, -1 after it
-        first, last = np.flatnonzero(step == 1), np.flatnonzero(step == -1) - 1
-        # A run is its lines, each with its closing newline; the first run also takes the newline before it.
-        self.starts = edges[first] + 1
-        self.starts[0] -= 1
-        self.cum = np.concatenate([[0], np.cumsum(edges[last + 1] + 1 - self.starts)])
-        self.stream = corpus.stream
-
-    def __len__(self) -> int:
-        return int(self.cum[-1])
-
-    def read(self, at: int, n: int) -> torch.Tensor:
-        """Bytes [at, at + n) of the laid-out stream (fewer at its end), as int64 token ids."""
-        end, piece, parts = min(at + n, len(self)), int(np.searchsorted(self.cum, at, side="right")) - 1, []
-        while at < end:  # a window crosses a piece's end where a held-out line was left out
-            take, start = min(end, int(self.cum[piece + 1])) - at, int(self.starts[piece]) + at - int(self.cum[piece])
-            parts.append(self.stream[start : start + take])
-            at, piece = at + take, piece + 1
-        return torch.from_numpy(np.concatenate(parts).astype(np.int64))
-
-
-class Rows(Dataset):
-    """Training examples made one row at a time, when a batch asks for it, from flat arrays of
-    tokens (read from the token cache, build_cache, as batches ask): nothing is ever held padded to
-    seq_len, so memory does not grow with seq_len x examples. Row i is (inputs, targets[,
-    positions]), each of seq_len tokens; trim_padding then cuts the batch to its longest row. The
-    byte model's rows are ShiftingWindows and ByteWindows, a pretrained model's TokenRows."""
-
-    def set_epoch(self, epoch: int) -> None:
-        """Fixed rows: only the sampler's order changes between epochs."""
-
-    @functools.cached_property
-    def whole(self) -> Examples:
-        """Every row at once, padded: for looking at a few rows, never for a real data set."""
-        columns = [torch.stack(c) for c in zip(*(self[i] for i in range(len(self))), strict=True)]
-        return Examples(columns[0], columns[1], self.target_bytes, columns[2] if len(columns) > 2 else None)
-
-    inputs = property(lambda self: self.whole.inputs)
-    targets = property(lambda self: self.whole.targets)
-    positions = property(lambda self: self.whole.positions)
-
-
-class ShiftingWindows(Rows):
-    """Packed training data: one byte stream, cut into seq_len windows (every one full: no compute
-    goes to padding) at an offset that moves every epoch, drawn from --seed and the epoch: the same
-    on every rank, and again on resume. A cut that never moved would put each byte at the same
-    position of the same window in every epoch, and a small model then memorizes "this byte at that
-    position" instead of the text, and fails on the same text anywhere else (as when sampling)."""
-
-    def __init__(self, corpus: Lines, seq_len: int, seed: int) -> None:
-        self.stream, self.seq_len, self.seed, self.offset = Pieces(corpus), seq_len, seed, 0
-        self.key = corpus.digest(f"windows:{seq_len}")
-
-    def __len__(self) -> int:
-        return max(0, (len(self.stream) - 1) // self.seq_len - 1)  # windows that fit at any offset
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        window = self.stream.read(self.offset + i * self.seq_len, self.seq_len + 1)
-        return window[:-1], window[1:]
-
-    def set_epoch(self, epoch: int) -> None:
-        generator = torch.Generator().manual_seed(self.seed + epoch)
-        self.offset = int(torch.randint(self.seq_len, (), generator=generator))
-
-    @property
-    def target_bytes(self) -> torch.Tensor:
-        return torch.full((len(self),), self.seq_len, dtype=torch.long)  # every window is full
-
-    def digest(self) -> str:
-        return self.key
-
-
-class ByteWindows(Rows):
-    """Fixed byte examples: each span of the stream cut into windows of seq_len targets that
-    overlap by one byte, so every byte is a target exactly once; only a span's last window is
-    padded. Spans are the chosen lines, each framed by its newlines (one line per example), or
-    the chosen lines laid end to end as one span (packed, as the held-out set is)."""
-
-    def __init__(self, corpus: Lines, seq_len: int, pack: bool) -> None:
-        self.stream, self.seq_len = Pieces(corpus), seq_len
-        if pack:
-            self.starts, self.lengths = np.array([0]), np.array([len(self.stream)])
-        else:  # line i spans edges[i] .. edges[i + 1], in the laid-out stream
-            self.stream = Pieces(Lines(corpus.stream, corpus.edges, corpus.key))
-            lines = corpus.lines()
-            self.starts, self.lengths = corpus.edges[lines], corpus.edges[lines + 1] + 1 - corpus.edges[lines]
-        self.cum = np.concatenate([[0], np.cumsum((self.lengths - 2) // seq_len + 1)])
-        self.key = corpus.digest(f"{'packed' if pack else 'lines'}:{seq_len}")
-
-    def __len__(self) -> int:
-        return int(self.cum[-1])
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        span = int(np.searchsorted(self.cum, i, side="right")) - 1
-        cut = (i - int(self.cum[span])) * self.seq_len
-        ids = self.stream.read(int(self.starts[span]) + cut, min(self.seq_len + 1, int(self.lengths[span]) - cut))
-        inputs = torch.zeros(self.seq_len, dtype=torch.long)
-        targets = torch.full((self.seq_len,), IGNORE_INDEX, dtype=torch.long)
-        inputs[: len(ids) - 1], targets[: len(ids) - 1] = ids[:-1], ids[1:]
-        return inputs, targets
-
-    @functools.cached_property
-    def target_bytes(self) -> torch.Tensor:
-        """Each row's targets: its window's bytes but the first."""
-        span = np.repeat(np.arange(len(self.lengths)), np.diff(self.cum))
-        cut = (np.arange(len(self)) - self.cum[span]) * self.seq_len
-        return torch.from_numpy(np.minimum(self.seq_len + 1, self.lengths[span] - cut) - 1)
-
-    def digest(self) -> str:
-        return self.key
-
-
-def encode_lines_as_bytes(lines: list[str], seq_len: int, pack: bool) -> ByteWindows:
-    """Byte-level examples (ByteWindows) of lines, each framed by newlines: b"\n" + line + b"\n".
-    The opening newline is the "start of line" the first byte is predicted from; the closing one
-    teaches the model where a line ends (and where sampling stops). pack=False: one line an example,
-    so real token counts differ between examples, ranks and micro-steps, which is what makes the
-    choice of loss normalization matter (see loss_scale)."""
-    return ByteWindows(Lines.from_texts(lines), seq_len, pack)
 
 
 class TokenRows(Rows):
@@ -4196,6 +4402,19 @@ def check_model_fits(n_params: int, d: Dist) -> None:
         )
 
 
+def tiny_kit(cfg: RunConfig, d: Dist, lines: Lines, val_lines: Lines) -> ModelKit:
+    """The core's tiny model (build_tiny_kit), refused clearly where it cannot fit (not by an allocation
+    error), with what the full script adds: sampling, the FLOPs for MFU, its checkpoint read back."""
+    check_model_fits(tiny_parameter_count(tiny_config(cfg)), d)
+    kit = build_tiny_kit(cfg, d, lines, val_lines)
+    return replace(
+        kit,
+        sample=lambda raw, prompt: generate_bytes(raw, prompt, cfg.sample_tokens, cfg.seed),
+        flops_per_token=training_flops_per_token(kit.model, cfg.n_layers, cfg.d_model, cfg.seq_len),
+        reload=lambda path: load_tiny_checkpoint(path, d.device),
+    )
+
+
 def build_pretrained_kit(
     cfg: RunConfig, d: Dist, records: list[Record] | Tokens, val_records: list[Record] | Tokens
 ) -> ModelKit:
@@ -4294,6 +4513,7 @@ def build_pretrained_kit(
         )
         + f": {trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.3f}%)",
         blocks=list(decoder_layers(model)),
+        collate=collate_for(cfg),
         reload=functools.partial(reload_pretrained, cfg, dtype, d.device),
         split=PlannedTensorParallel(model, d) if d.tp > 1 else None,
         data_report=f"{counts['truncated']} cut to --seq-len {cfg.seq_len}, "
@@ -4671,42 +4891,6 @@ def cannot_split(cfg: RunConfig) -> str | None:
     return None
 
 
-def rank0_optimizer_state(d: Dist, optimizer: torch.optim.Optimizer, named_params: list,
-                          whole: Callable[[str, torch.Tensor], torch.Tensor]) -> dict:  # fmt: skip
-    """The optimizer's whole state on rank 0 ({} elsewhere); a collective under ZeRO-1, whose ranks
-    each hold the state of their own parameters (it is collected), and under tensor parallelism,
-    whose moments are sliced like their parameters (whole(name, moment) gathers each)."""
-    if isinstance(optimizer, ShardedOptimizer):
-        return optimizer.state_dict(to=0, group=d.control)  # over Gloo: the state stays off the GPUs
-    if holds_a_share(optimizer):  # torch's ZeroRedundancyOptimizer
-        optimizer.consolidate_state_dict(to=0)
-        return optimizer.state_dict() if d.is_main else {}
-    state = optimizer.state_dict()
-    moments = {i: {k: whole(named_params[i][0], v) if torch.is_tensor(v) and v.dim() else v for k, v in s.items()}
-               for i, s in state["state"].items()}  # fmt: skip
-    return {**state, "state": moments} if d.is_main else {}
-
-
-def optimizer_state_tensors(named_params: list, optimizer: torch.optim.Optimizer) -> list:
-    """(name, parameter, tensor) for each tensor of the optimizer's state (Adam's moments and step)."""
-    return [(f"optimizer {k} of {n}", p, v) for n, p in named_params
-            for k, v in optimizer.state.get(p, {}).items() if torch.is_tensor(v)]  # fmt: skip
-
-
-def to_cpu(tree: object) -> object:
-    """Every tensor of a state (dicts and lists of them) on the CPU, where rank 0 writes it from."""
-    if torch.is_tensor(tree):
-        return tree.cpu()
-    if isinstance(tree, dict):
-        return {k: to_cpu(v) for k, v in tree.items()}
-    return [to_cpu(v) for v in tree] if isinstance(tree, list) else tree
-
-
-def local_part(t: torch.Tensor) -> torch.Tensor:
-    """The slice of a tensor this rank holds: a DTensor's local shard (fully_shard), else the tensor."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def all_gather_tensor(d: Dist, t: torch.Tensor) -> list[torch.Tensor]:
     if not d.distributed:
         return [t]
@@ -4753,14 +4937,6 @@ def describe_shards(sampler: DistributedSampler) -> list[str]:
         indices = list(sampler)
         lines.append(f"epoch {epoch} shard: {len(indices)} examples, first {indices[:8]}")
     return lines
-
-
-def describe_optimizer_share(named_params: list, optimizer: torch.optim.Optimizer) -> list[str]:
-    mine = {p for group in optimizer.optim.param_groups for p in group["params"]}
-    owned = [(n, p) for n, p in named_params if p in mine]
-    names = ", ".join(n for n, _ in owned[:4]) + (f", ... ({len(owned)} tensors)" if len(owned) > 4 else "")
-    total = sum(p.numel() for _, p in named_params)
-    return [f"optimizer state of {sum(p.numel() for _, p in owned):,} of {total:,} weights: {names}"]
 
 
 def log_buckets(d: Dist, stats: CommStats, heading: str) -> None:
@@ -5119,18 +5295,6 @@ def timeline_figure(plt: object, cfg: RunConfig, ranks: list[list[Span]]) -> obj
 # ----------------------------------------------------------------------------------------------
 
 
-WARMUP_SHARE = 0.1  # of the run, when --warmup-steps would take more than half of it
-
-
-def warmup_steps(cfg: RunConfig) -> int:
-    """--warmup-steps, unless that is more than half the run: a run that is (nearly) all warmup
-    ends at the peak rate and never decays, as a short --epochs run would with the default 20.
-    Then a tenth of the run (at least one step)."""
-    if cfg.warmup_steps * 2 <= cfg.max_steps:
-        return cfg.warmup_steps
-    return max(1, int(cfg.max_steps * WARMUP_SHARE))
-
-
 def describe_warmup(cfg: RunConfig) -> str | None:
     if (warmup := warmup_steps(cfg)) == cfg.warmup_steps:
         return None
@@ -5218,11 +5382,12 @@ def crash_on_purpose(kind: str, d: Dist, step: int) -> None:
     raise RuntimeError(f"injected failure on rank {d.rank} at step {step} (--inject-fault)")
 
 
-class SideWork:
-    """Everything train() does besides the DDP steps, called at fixed points of every step: the
-    phase timer (--time-breakdown) and the timeline (--trace-steps), faults on purpose
-    (--inject-fault), the first step's gradient check, the learner's report (--inspect), the
-    replica check (--verify-sync), and the memory table. With their flags off, the calls cost nothing.
+class SideWork(Hooks):
+    """Everything train() does besides the DDP steps, at its fixed points (Hooks): resume and the run's
+    header, the phase timer (--time-breakdown) and the timeline (--trace-steps), faults on purpose
+    (--inject-fault), the first step's gradient check, the learner's report (--inspect), the replica
+    check (--verify-sync), stop requests, evaluation, the Reporter's progress and metrics, the
+    StateSaver's checkpoints, and the memory table. With their flags off, the calls cost nothing.
 
     The phase timer shows where each step's time goes: data, forward, backward, sync, optimizer.
     torch's DDP all-reduces inside backward, overlapped with it, so its cost shows up as a longer
@@ -5233,31 +5398,50 @@ class SideWork:
 
     PHASES = ("data", "forward", "backward", "sync", "optimizer")
 
-    def __init__(self, cfg: RunConfig, d: Dist, kit: ModelKit, stats: CommStats, first_step: int) -> None:
-        self.cfg, self.d, self.kit, self.stats = cfg, d, kit, stats
+    def __init__(self, cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings: dict) -> None:
+        self.cfg, self.d, self.kit, self.resume, self.settings = cfg, d, kit, resume, settings
+        self.precision = choose_precision(cfg, d)
+        # fp16 needs loss scaling: small gradients would underflow to zero. bf16 has fp32's range.
+        self.scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
+        self.timed, self.cuda = cfg.time_breakdown, d.device.type == "cuda"
+        self.phase_seconds, self.last = dict.fromkeys(self.PHASES, 0.0), 0.0
+        self.fault: str | None = None
+        self.stopped_by: str | None = None  # the signal's name, when a stop request ended the run early
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return autocast_for(self.precision, self.d.device)
+
+    def before_wrap(self, kit: ModelKit, stats: CommStats) -> None:
+        cfg, d, self.stats = self.cfg, self.d, stats
         params = [p for _, p in trainable_parameters(kit.model)]  # hooked before the wrapper hooks them
         drains = d.pp > 1 and d.pp_rank == d.pp - 1  # a pipeline's last stage
+        first_step = self.resume["progress"]["step"] if self.resume else 0
         self.timeline = Timeline(first_step + cfg.trace_steps, d.device, params, drains) if cfg.trace_steps else None
         stats.timeline = self.timeline
         self.offsets = clock_offsets(d) if self.timeline else []
         self.predicted = predict_memory(cfg, d, kit)  # from the whole model, before any sharding
-        self.timed, self.cuda = cfg.time_breakdown, d.device.type == "cuda"
-        self.phase_seconds, self.last = dict.fromkeys(self.PHASES, 0.0), 0.0
-        self.fault: str | None = None
 
-    def begin_step(self, step: int) -> float:
+    def start(self, model: Layout, named_params: list, optimizer: torch.optim.Optimizer,
+              sampler: DistributedSampler, steps_per_epoch: int) -> Progress:  # fmt: skip
+        cfg, d, resume = self.cfg, self.d, self.resume
+        progress = resume_training(resume, model, named_params, optimizer, self.scaler, d) if resume else Progress()
+        announce_run(cfg, d, sampler, steps_per_epoch, self.precision, model, optimizer, named_params)
+        self.saver = StateSaver(cfg, d, self.settings, progress.step if resume else None)
+        self.reporter = Reporter(cfg, d, self.kit, progress, self.precision, steps_per_epoch)
+        return progress
+
+    def begin_step(self, step: int) -> None:
         """The step's start; a crash on purpose (kill, raise, hang) happens here and now."""
         if self.timeline:
             self.timeline.begin_step(step)
         if self.timed and self.cuda:
             torch.cuda.synchronize()
-        self.last = started = time.perf_counter()
+        self.last = time.perf_counter()
         self.fault = due_fault(self.cfg, self.d, step)  # a teaching aid: None in real runs
         if self.fault in ("kill", "raise", "hang"):
             crash_on_purpose(self.fault, self.d, step)
         self.stats.local_grads = {} if self.cfg.inspect and step <= INSPECT_STEPS else None
         self.stats.counting = True  # until after_update: a step's collectives, not evaluation's
-        return started
 
     def mark(self, phase: str) -> None:
         if self.timeline and self.timeline.on:
@@ -5278,8 +5462,21 @@ class SideWork:
     def loss(self, micro_loss: torch.Tensor) -> torch.Tensor:
         return micro_loss * float("nan") if self.fault == "nan" else micro_loss
 
+    def votes(self) -> list[float]:
+        # Whether any rank was asked to stop (STOP), and whether rank 0's last metrics write failed.
+        return [STOP.signal is not None, self.reporter.failure is not None]
+
+    def heard(self, votes: list[float]) -> bool:
+        stop_votes, failed = votes
+        if failed:
+            self.reporter.share_failure()
+        if stop_votes:
+            self.stopped_by = signal.Signals(STOP.signal).name if STOP.signal else "another rank's signal"
+        return bool(stop_votes)
+
     def gradients_synced(self, step: int, model: Layout, named_params: list, sent: tuple[int, int],
                          local_loss_sum: torch.Tensor, micro_tokens: list[int]) -> None:  # fmt: skip
+        self.sent = sent_in_buckets(model, *sent)
         if self.fault == "desync":  # pretend this rank's gradient sync silently went wrong
             named_params[0][1].grad.add_(1e-3)
         if step == 1:
@@ -5287,6 +5484,9 @@ class SideWork:
         if self.stats.local_grads is not None:  # the averaged gradient as the all-reduce left it, before clipping
             report_inspect_step(self.cfg, self.d, step, self.stats, sent, named_params, local_loss_sum.item(),
                                 micro_tokens, model.split.loss_share)  # fmt: skip
+
+    def non_finite(self, step: int, loss: float, grad_norm: float, local_loss_sum: float) -> None:
+        raise_non_finite(self.d, step, loss, grad_norm, local_loss_sum)
 
     def verifying(self, step: int) -> bool:
         return bool(self.cfg.verify_sync and step % self.cfg.verify_sync == 0)
@@ -5304,10 +5504,25 @@ class SideWork:
         if self.timeline:
             self.timeline.end_step()
 
-    def finish(self, model: Layout, optimizer: torch.optim.Optimizer) -> tuple[list[list[Span]], list[dict]]:
-        """The trace and every rank's memory, gathered to rank 0 (a collective)."""
-        trace = collect_trace(self.d, self.timeline, self.offsets) if self.timeline else []
-        return trace, measure_memory(self.d, self.kit, model, optimizer, self.predicted)
+    def step_done(self, metrics: dict[str, float], tokens: int, seconds: float, model: Layout,
+                  named_params: list, optimizer: torch.optim.Optimizer, progress: Progress) -> None:  # fmt: skip
+        cfg, step = self.cfg, int(metrics["step"])
+        val = evaluate(cfg, self.d, self.kit, model, self.precision) if evaluation_due(cfg, self.kit, step) else {}
+        self.reporter.step_done({**metrics, **val, **self.sent}, tokens, seconds, self.take_times)
+        if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.max_steps):
+            self.saver.save(model, named_params, optimizer, self.scaler, progress)
+
+    def finish(self, model: Layout, named_params: list, optimizer: torch.optim.Optimizer, progress: Progress) -> None:
+        """The last write's failure heard, a stop's checkpoint written; the trace and every rank's
+        memory gathered to rank 0 (collectives)."""
+        if all_reduce_sum(self.d, [self.reporter.failure is not None])[0]:  # the last step's, which no vote followed
+            self.reporter.share_failure()
+        if self.stopped_by:
+            self.saver.save(model, named_params, optimizer, self.scaler, progress)
+        self.reporter.close()
+        self.trace = collect_trace(self.d, self.timeline, self.offsets) if self.timeline else []
+        self.memory = measure_memory(self.d, self.kit, model, optimizer, self.predicted)
+        self.traffic = self.stats.per_step()  # this rank's collectives by kind: (calls, bytes) per step
 
 
 class StopRequest:
@@ -5420,31 +5635,6 @@ CONTROL_ESCAPES = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}
     0x2028: "\\u2028",
     0x2029: "\\u2029",
 }
-
-
-@contextlib.contextmanager
-def without_stderr_lines(text: str) -> Iterator[None]:
-    """Run the block with file descriptor 2 caught (C++ writes there, past Python's warnings
-    filters), then write back every line but those holding text. Kept to blocks that run no model
-    code: a crash inside would take what they printed with it."""
-    sys.stderr.flush()
-    try:
-        caught = tempfile.TemporaryFile()  # noqa: SIM115 (closed by the with below)
-    except OSError:  # nowhere to catch it: the line shows, the run goes on
-        yield
-        return
-    saved = os.dup(2)
-    with caught:
-        os.dup2(caught.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            caught.seek(0)
-            with contextlib.suppress(OSError):  # a closed stderr (the launcher gone) must not mask the block's error
-                os.write(2, b"".join(line for line in caught if text.encode() not in line))
 
 
 def say(message: str) -> None:
@@ -5608,6 +5798,18 @@ def training_flops_per_token(model: nn.Module, n_layers: int, attention_width: i
     return 6 * trained + 4 * frozen + 12 * n_layers * attention_width * seq_len
 
 
+@dataclass
+class TrainResult:
+    progress: Progress
+    tokens: int  # trained on in this attempt (a resumed run counts from its checkpoint)
+    seconds: float  # spent in training steps in this attempt
+    stopped_by: str | None  # the signal's name, when a stop request ended the run early
+    trace: list[list[Span]]  # --trace-steps: every rank's spans (rank 0 only)
+    model: nn.Module  # as trained: wrapped by DDP, or sharded
+    memory: list[dict]  # every rank's training state in bytes, measured and predicted (rank 0 only)
+    traffic: dict[str, tuple[float, float]]  # this rank's collectives by kind: (calls, bytes) per step
+
+
 class Reporter:
     """Rank 0's account of the run: a progress bar or log lines, the metrics file, the history.
 
@@ -5616,8 +5818,9 @@ class Reporter:
     or checkpoint writing.
     """
 
-    def __init__(self, cfg: RunConfig, d: Dist, kit: ModelKit, progress: Progress, precision: str) -> None:
-        self.cfg, self.d, self.progress = cfg, d, progress
+    def __init__(self, cfg: RunConfig, d: Dist, kit: ModelKit, progress: Progress, precision: str,
+                 steps_per_epoch: int) -> None:  # fmt: skip
+        self.cfg, self.d, self.progress, self.steps_per_epoch = cfg, d, progress, steps_per_epoch
         self.show_bar = d.is_main and (cfg.progress == "bar" or (cfg.progress == "auto" and sys.stderr.isatty()))
         self.bar = tqdm(total=cfg.max_steps, initial=progress.step, unit="step", dynamic_ncols=True,
                         disable=not self.show_bar)  # fmt: skip
@@ -5626,8 +5829,8 @@ class Reporter:
         self.tokens, self.seconds = 0, 0.0  # this attempt's totals
         self.failure: OSError | None = None  # rank 0's failed metrics write, until every rank hears of it
 
-    def step_done(self, metrics: dict[str, float], tokens: int, seconds: float, steps_per_epoch: int,
-                  side: SideWork) -> None:  # fmt: skip
+    def step_done(self, metrics: dict[str, float], tokens: int, seconds: float,
+                  take_times: Callable[[int], dict[str, float]]) -> None:  # fmt: skip
         step, cfg = int(metrics["step"]), self.cfg
         self.window_tokens, self.window_seconds, self.window_steps = (
             self.window_tokens + tokens, self.window_seconds + seconds, self.window_steps + 1)  # fmt: skip
@@ -5642,8 +5845,8 @@ class Reporter:
             **metrics,
             "tokens_per_sec": speed,  # real (non-padding) training tokens, all ranks together
             "tokens_seen": self.progress.tokens_seen,
-            "epoch": (step - 1) // steps_per_epoch,
-            **side.take_times(self.window_steps),
+            "epoch": (step - 1) // self.steps_per_epoch,
+            **take_times(self.window_steps),
         }
         self.window_tokens, self.window_seconds, self.window_steps = 0, 0.0, 0
         if self.peak:
@@ -5878,41 +6081,6 @@ def load_tiny_checkpoint(path: str | Path, map_location: str | torch.device = "c
     model = TinyTransformer(TinyConfig(**ckpt["config"]))
     model.load_state_dict(ckpt["model"])
     return model.eval()
-
-
-def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
-    inner = getattr(optimizer, "optim", optimizer)
-    # A saved group carries how the saving run stepped (fused or a per-tensor loop): this run keeps its own.
-    kept = [[{k: g[k] for k in ("fused", "foreach") if k in g} for g in o.param_groups] for o in (optimizer, inner)]
-    optimizer.load_state_dict(state)  # ShardedOptimizer and ZeroRedundancyOptimizer keep their own share
-    for o, groups in zip((optimizer, inner), kept, strict=True):
-        for group, own in zip(o.param_groups, groups, strict=True):
-            group.update(own)
-    # torch's ZeroRedundancyOptimizer moves every 0-d state tensor (Adam's step) to the CPU as it
-    # loads (torch 2.13), and the fused and capturable kernels refuse a step that is not on its
-    # parameter's device (pytorch#124133): put it where a step() would have kept it.
-    if inner.defaults.get("fused") or inner.defaults.get("capturable"):
-        for p, s in inner.state.items():
-            if torch.is_tensor(s.get("step")):
-                s["step"] = s["step"].to(p.device, torch.float32)
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write to a temp file in the same folder, fsync, then rename over the target.
-
-    A rename within one file system is atomic: readers see the old file or the new one,
-    never half of one, even if the process dies mid-write.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -6556,7 +6724,7 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
     # The corpus as tokens, built into the token cache once; batches read their rows from it (open_corpus).
     corpus = open_corpus(cfg, d, resolve_model_files(cfg, d) if cfg.model == "hf" else None)
     val = held_out(len(corpus), cfg.val_fraction, cfg.seed)
-    build_kit = build_pretrained_kit if cfg.model == "hf" else build_tiny_kit
+    build_kit = build_pretrained_kit if cfg.model == "hf" else tiny_kit
     kit = build_kit(cfg, d, corpus.subset(~val), corpus.subset(val))
     # Initialisation used --seed alone: the replicas start identical. Dropout must not: W ranks
     # dropping the same units of their different examples is not one process with a W-times batch.
@@ -6582,7 +6750,10 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
     if cfg.metrics_file:
         start = resume["progress"]["step"] if resume else 0
         rank0_writes(d, "the metrics file", lambda: prepare_metrics_file(cfg, start), error=UsageError)
-    result = train(cfg, d, kit, resume, settings)
+    hooks = SideWork(cfg, d, kit, resume, settings)
+    model, progress = train(cfg, d, kit, hooks)
+    result = TrainResult(progress, hooks.reporter.tokens, hooks.reporter.seconds, hooks.stopped_by, hooks.trace,
+                         model, hooks.memory, hooks.traffic)  # fmt: skip
     step = result.progress.step
     # Also after a stop: the steps it traced are worth seeing.
     trace_file = rank0_writes(d, "the trace", lambda: write_trace(cfg, result.trace)) if cfg.trace_steps else None
@@ -6747,7 +6918,9 @@ def main(argv: list[str] | None = None) -> None:
         refuse_missing_inputs(cfg)
         if cfg.nproc:
             raise SystemExit(launch_local_ranks(cfg, sys.argv[1:] if argv is None else list(argv)))
-        d = setup_distributed(cfg)
+        if launched_by_torchrun():
+            check_rank_variables()
+        d = setup_distributed(cfg, rendezvous_store)
         STOP.install()
         end_with_the_launcher()
         run(cfg, d, started)

@@ -109,16 +109,6 @@ def tensor_parallel_float64(args: list[str], d: t.Dist) -> int:
     return 0
 
 
-class QuietSide:
-    """What a MicroStep asks of train()'s side work (section 15): nothing, outside a run."""
-
-    def loss(self, micro_loss: torch.Tensor) -> torch.Tensor:
-        return micro_loss
-
-    def mark(self, phase: str) -> None:
-        pass
-
-
 def pipeline_float64(args: list[str], d: t.Dist) -> int:
     """The script's Pipeline (torch.distributed.pipelining, and the from-scratch GPipe and 1F1B) on
     the tiny model in float64: STEPS SGD steps of 2 micro-batches each, against one process.
@@ -145,7 +135,7 @@ def pipeline_float64(args: list[str], d: t.Dist) -> int:
                                      flops_per_token=0.0, describe="")  # fmt: skip
                     stats = t.CommStats(model, compress=False)
                     pipe = t.Pipeline(kit, cfg, split_d, stats)
-                    micro = t.MicroStep(kit, "fp32", None, QuietSide(), split_d.device)
+                    micro = t.MicroStep(kit, t.Hooks(), split_d.device)  # no side work
                     for step in range(STEPS):
                         micro_batches = batches(step)
                         sgd_step(reference, micro_batches)

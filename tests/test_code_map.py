@@ -12,7 +12,8 @@ import llm_ddp_parallel_training as t
 
 SOURCE = SCRIPT.read_text(encoding="utf-8")
 LINES = SOURCE.splitlines()
-TEACHING_CORE_LINES = 1300
+TEACHING_CORE_LINES = 1600  # the loop's end: after the settings, ranks, the byte data, the model and the sync
+BANNER = next(i for i, line in enumerate(LINES, 1) if line.startswith("# ====="))
 
 
 def docstring_map() -> list[tuple[str, str]]:
@@ -34,14 +35,14 @@ def test_the_docstring_map_names_every_section_banner_in_order():
     assert [int(number) for number, _ in section_banners()] == list(range(1, 19))
 
 
-def test_every_ddp_mechanism_and_the_whole_training_loop_come_within_the_first_1300_lines():
+def test_every_ddp_mechanism_and_the_whole_training_loop_come_within_the_first_1600_lines():
     mechanisms = ["dist.init_process_group(", "DistributedSampler(", "DDP(", "class ManualDDP",
                   "with self.no_sync() if i <", "dist.all_reduce(loss_sum)", "def train("]  # fmt: skip
     where = {text: first_line(text) for text in mechanisms}
     assert all(line <= TEACHING_CORE_LINES for line in where.values()), where
     train = next(n for n in ast.parse(SOURCE).body if isinstance(n, ast.FunctionDef) and n.name == "train")
     assert train.end_lineno <= TEACHING_CORE_LINES
-    assert train.end_lineno - train.lineno + 1 <= 100, "train() reads as the DDP steps: side work lives in SideWork"
+    assert train.end_lineno - train.lineno + 1 <= 70, "train() reads as the DDP steps; side work comes through Hooks"
 
 
 def test_one_banner_separates_the_teaching_core_from_the_production_machinery():
@@ -76,3 +77,20 @@ def test_the_readmes_reading_path_names_functions_in_the_sections_it_gives():
     for names, section in steps:
         for name in re.findall(r"`(\w+)`", names):
             assert starts[int(section)] < defined[name] < starts.get(int(section) + 1, len(LINES)), (name, section)
+
+
+def defined_names(node: ast.stmt) -> list[str]:
+    if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+        return [node.name]
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+    return [n.id for target in targets for n in ast.walk(target) if isinstance(n, ast.Name)]
+
+
+def test_nothing_above_the_banner_uses_a_name_defined_below_it():
+    """The core is a program on its own: production work reaches it through Hooks, never the other way."""
+    tree = ast.parse(SOURCE)
+    below = {name for node in tree.body if node.lineno > BANNER for name in defined_names(node)}
+    crossing = sorted({(n.id, n.lineno) for n in ast.walk(tree)
+                       if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.lineno < BANNER
+                       and n.id in below})  # fmt: skip
+    assert not crossing, f"names used above the banner but defined below it: {crossing}"

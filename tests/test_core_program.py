@@ -1,0 +1,56 @@
+"""The teaching core is a program of its own: the text above the banner, saved alone beside corpus.txt,
+trains under torchrun (or as one plain process) and writes the weights the full script writes."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+
+import pytest
+import torch
+from conftest import REPO, SCRIPT, TINY, assert_ok, launch, run_cmd, torchrun_cmd
+
+import llm_ddp_parallel_training as t
+
+
+@pytest.fixture
+def core(tmp_path):
+    """The script's text down to the banner, as core.py beside a copy of the shipped corpus."""
+    lines = SCRIPT.read_text(encoding="utf-8").splitlines(keepends=True)
+    banner = next(i for i, line in enumerate(lines) if line.startswith("# ====="))
+    (tmp_path / "core.py").write_text("".join(lines[:banner]), encoding="utf-8")
+    shutil.copy(REPO / "corpus.txt", tmp_path / "corpus.txt")
+    return tmp_path / "core.py"
+
+
+def weights(path):
+    return torch.load(path, weights_only=True)["model"]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--max-steps", "30"], [*TINY[1:], "--ddp", "manual", "--sharding", "full", "--max-steps", "12"]],
+    ids=["the issue's command", "manual fsdp"],
+)
+def test_the_core_alone_under_torchrun_writes_the_full_scripts_weights_bit_for_bit(core, tmp_path, flags):
+    alone = run_cmd(torchrun_cmd(2, ["--cpu", *flags, "--output-dir", str(tmp_path / "core")], script=core), 240)
+    assert_ok(alone)
+    full = launch(["--cpu", *flags, "--output-dir", str(tmp_path / "full"), "--val-fraction", "0"], 2, timeout=240)
+    assert_ok(full)
+    steps = [int(line.split()[1]) for line in alone.stdout.splitlines() if line.startswith("step")]
+    assert steps == list(range(1, int(flags[-1]) + 1)), "rank 0 prints every step's loss"
+    mine, theirs = weights(tmp_path / "core" / t.TINY_FINAL), weights(tmp_path / "full" / t.TINY_FINAL)
+    assert mine.keys() == theirs.keys()
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+    assert "[sample]" not in alone.stdout, "the core samples nothing: that is the full script's"
+
+
+def test_the_core_alone_runs_as_one_process_and_names_what_it_leaves_to_the_full_script(core, tmp_path):
+    run = run_cmd([sys.executable, str(core), *TINY, "--max-steps", "4", "--plot", "--output-dir", str(tmp_path / "o")],
+                  timeout=120)  # fmt: skip
+    assert_ok(run)
+    assert run.stdout.count("| loss ") == 4
+    assert "[core] ignored: --plot; the full script, llm_ddp_parallel_training.py, does that" in run.stdout
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == [t.TINY_FINAL], "no loss.png: --plot was ignored"
+    model = t.load_tiny_checkpoint(tmp_path / "o" / t.TINY_FINAL)
+    assert model.config.d_model == 32
