@@ -1,7 +1,8 @@
 """Train a causal language model across processes with PyTorch DistributedDataParallel.
 
 One file, two reading depths. Sections 1-8 are the teaching core, the DDP a learner came to read,
-in the order the data flows; after a banner, sections 9-18 make it production-grade:
+in the order the data flows, and a program of its own (run_core: cut at the banner, it trains); after
+the banner, sections 9-18 make it production-grade, reaching the loop only through its Hooks:
 
     1. Settings             everything a run is told, in one frozen RunConfig
     2. Ranks                torchrun's environment says who this process is; then the process group

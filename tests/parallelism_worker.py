@@ -181,8 +181,8 @@ def tp_replicas(args: list[str], d: t.Dist) -> int:
     parameter's local tensor: what no rank holds a slice of must be the same on every rank."""
     train = t.train
 
-    def train_then_report(cfg, d_, kit, resume, settings):  # train()'s signature
-        result = train(cfg, d_, kit, resume, settings)
+    def train_then_report(cfg, d_, kit, hooks):  # train()'s signature
+        result = train(cfg, d_, kit, hooks)
         digests = {n: t.local_part(p).detach().double().sum().item() for n, p in kit.model.named_parameters()}
         exact = {n: t.local_part(p).detach().flatten()[:64].tolist() for n, p in kit.model.named_parameters()}
         measured({"rank": d_.rank, "sums": digests, "first": exact})

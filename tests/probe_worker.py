@@ -30,7 +30,7 @@ def dropout_probe(args: list[str], d: t.Dist) -> int:
     """The command line runs as in a real run up to train(); in train()'s place, rank 0 prints
     whether the ranks hold equal weights and whether they drew equal dropout masks."""
 
-    def probe(cfg, d, kit, resume, settings):  # train()'s signature
+    def probe(cfg, d, kit, hooks):  # train()'s signature
         weights = torch.cat([p.detach().flatten() for p in kit.model.parameters()])
         dropped = torch.nn.functional.dropout(torch.ones(4096), p=cfg.dropout, training=True)
         first, second = t.all_gather_tensor(d, torch.stack([weights[:4096], dropped]))
