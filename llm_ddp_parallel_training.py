@@ -1038,28 +1038,44 @@ class Layout:
         return kit.loss(kit.trained, *batch)
 
     def clip_gradients(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-        """The norm of the whole synchronised gradient, identical on every rank; clipped to max_norm
-        when set. Identical norms clip identically: the replicas stay identical."""
-        return self.split.clip_gradients(params, max_norm)
+        """The norm of the whole synchronised gradient, identical on every rank (global_grad_norm); clipped
+        to max_norm when set. Identical norms clip identically: the replicas stay identical."""
+        norm = global_grad_norm(*self.norm_parts(params))
+        if max_norm:  # a Python float: it multiplies a DTensor and a plain tensor alike
+            coef = min(1.0, max_norm / (float(norm) + 1e-6))
+            for p in params if coef < 1.0 else ():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return norm
 
-    def rank0_state(self, d: Dist, named_params: list, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-        """The trained weights and the optimizer state, whole, on rank 0 ({} elsewhere): a collective."""
-        weights = {n: self.split.whole(n, p) for n, p in named_params}
-        state = rank0_optimizer_state(d, optimizer, named_params, self.split.whole)
-        return (to_cpu(weights), state) if d.is_main else ({}, {})
+    def norm_parts(self, params: list[nn.Parameter]) -> tuple[list, list, dist.ProcessGroup | None]:
+        """The gradient as this rank holds it, for global_grad_norm: (its own parts, the parts every rank
+        holds alike, the group over which the own parts add up)."""
+        return self.split.norm_parts(params)
 
-    def load_state(self, named_params: list, weights: dict, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        """Take a whole state, from a checkpoint of any layout: each rank keeps what it holds."""
-        with torch.no_grad():
-            for name, p in named_params:
-                local_part(p).copy_(self.split.part(name, weights[name]))
-        moments = {i: {k: self.split.part(named_params[i][0], v, named_params[i][1]) for k, v in s.items()}
-                   for i, s in state["state"].items()}  # fmt: skip
-        load_optimizer_state(optimizer, {**state, "state": moments})
+    # What the rest of the script asks of every layout to save, load and check the whole model's state
+    # (whole_state_dict here; rank0_state and load_state below the banner), whatever the layout.
+    @property
+    def rank0_holds_all(self) -> bool:
+        """Whether rank 0's own model is whole (the final save then needs no gathering)."""
+        return self.split.holds_all
 
-    def whole_state_dict(self, d: Dist, raw: nn.Module) -> dict | None:
-        """raw.state_dict() whole on rank 0, for the final save (a collective); None: rank 0 holds it."""
-        return self.split.whole_state_dict(d, raw)
+    def gather(self, name: str, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """The whole of t, a tensor cut as parameter `name` (p) is cut: p itself, or its Adam moment;
+        a collective where it is cut, every rank receiving the whole. A 0-d one (Adam's step) is never cut."""
+        return self.split.whole(name, t) if t.dim() else t
+
+    def part(self, name: str, p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a whole tensor cut as parameter `name` (p) is cut: gather undone."""
+        return self.split.part(name, whole, p) if whole.dim() else whole
+
+    def sends_to_rank0(self, d: Dist) -> bool:
+        """Whether what this rank gathers goes to rank 0 (join_stages): here rank 0's alone."""
+        return d.is_main
+
+    def join_stages(self, d: Dist, mine: object) -> list | None:
+        """Every stage's `mine` on rank 0 (None elsewhere): here one stage holds the whole model."""
+        return [mine] if d.is_main else None
 
     def replicated(self, named_params: list, optimizer: torch.optim.Optimizer | None = None) -> list:
         """(name, tensor) that every rank must hold bit for bit (--verify-sync): the averaged gradients,
@@ -1069,7 +1085,7 @@ class Layout:
         if optimizer is None:
             return [(f"grad of {n}", p.grad) for n, p in alike if p.grad is not None]
         state = [] if holds_a_share(optimizer) else optimizer_state_tensors(alike, optimizer)
-        return [(n, p.detach()) for n, p in alike] + [(name, t) for name, _, t in state]
+        return [(n, p.detach()) for n, p in alike] + [(what, t) for what, _, _, t in state]
 
     def ownership(self, named_params: list, optimizer: torch.optim.Optimizer) -> list[str]:
         """What this rank alone keeps (--inspect): under ZeRO-1, whose optimizer state."""
@@ -1097,6 +1113,21 @@ def to_cpu(tree: object) -> object:
 def local_part(t: torch.Tensor) -> torch.Tensor:
     """The slice of a tensor this rank holds: a DTensor's local shard (fully_shard), else the tensor."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def whole_state_dict(model: Layout, d: Dist, raw: nn.Module) -> dict | None:
+    """raw.state_dict() whole on rank 0, on its CPU, for the final save, from any layout (a collective);
+    None where rank 0's own model is whole. Each tensor is gathered, and dropped where it is not sent."""
+    if model.rank0_holds_all:
+        return None
+    keep, whole = model.sends_to_rank0(d), {}
+    named = raw.state_dict(keep_vars=True)
+    for name, t in named.items():
+        if id(t) not in whole:  # tied weights are one tensor: gathered once, saved as one
+            gathered = model.gather(name, t, t.detach())
+            whole[id(t)] = gathered.cpu() if keep else None
+    stages = model.join_stages(d, {name: whole[id(t)] for name, t in named.items()})
+    return {name: t for stage in stages for name, t in stage.items()} if d.is_main else None
 
 
 class TorchDDP(DDP, Layout):
@@ -1338,6 +1369,17 @@ def loss_scale(cfg: RunConfig, d: Dist, micro_tokens: int, global_tokens: float)
     if cfg.loss_normalization == "global-tokens":
         return d.dp / global_tokens
     return 1.0 / (micro_tokens * cfg.grad_accum_steps)
+
+
+def global_grad_norm(own: list[torch.Tensor], alike: list[torch.Tensor], group: object) -> torch.Tensor:
+    """The 2-norm of the whole gradient, the same on every rank, from the parts this rank holds: the squares
+    of its own parts (slices, shards, stages) summed over the group, those every rank holds alike once.
+    One function for every layout (Layout.norm_parts says which parts are which)."""
+    device = next((g.device for g in [*own, *alike]), torch.device("cpu"))
+    squares = [sum((g.float().square().sum() for g in part), torch.zeros((), device=device)) for part in (own, alike)]
+    if own:
+        dist.all_reduce(squares[0], group=group)
+    return (squares[0] + squares[1]).sqrt()
 
 
 @dataclass
@@ -1671,25 +1713,9 @@ def holds_a_share(optimizer: torch.optim.Optimizer) -> bool:
     return hasattr(optimizer, "optim")
 
 
-def rank0_optimizer_state(d: Dist, optimizer: torch.optim.Optimizer, named_params: list,
-                          whole: Callable[[str, torch.Tensor], torch.Tensor]) -> dict:  # fmt: skip
-    """The optimizer's whole state on rank 0 ({} elsewhere); a collective under ZeRO-1, whose ranks
-    each hold the state of their own parameters (it is collected), and under tensor parallelism,
-    whose moments are sliced like their parameters (whole(name, moment) gathers each)."""
-    if isinstance(optimizer, ShardedOptimizer):
-        return optimizer.state_dict(to=0, group=d.control)  # over Gloo: the state stays off the GPUs
-    if holds_a_share(optimizer):  # torch's ZeroRedundancyOptimizer
-        optimizer.consolidate_state_dict(to=0)
-        return optimizer.state_dict() if d.is_main else {}
-    state = optimizer.state_dict()
-    moments = {i: {k: whole(named_params[i][0], v) if torch.is_tensor(v) and v.dim() else v for k, v in s.items()}
-               for i, s in state["state"].items()}  # fmt: skip
-    return {**state, "state": moments} if d.is_main else {}
-
-
 def optimizer_state_tensors(named_params: list, optimizer: torch.optim.Optimizer) -> list:
-    """(name, parameter, tensor) for each tensor of the optimizer's state (Adam's moments and step)."""
-    return [(f"optimizer {k} of {n}", p, v) for n, p in named_params
+    """(what, name, parameter, tensor) for each tensor of the optimizer's state (Adam's moments and step)."""
+    return [(f"optimizer {k} of {n}", n, p, v) for n, p in named_params
             for k, v in optimizer.state.get(p, {}).items() if torch.is_tensor(v)]  # fmt: skip
 
 
@@ -1699,23 +1725,6 @@ def describe_optimizer_share(named_params: list, optimizer: torch.optim.Optimize
     names = ", ".join(n for n, _ in owned[:4]) + (f", ... ({len(owned)} tensors)" if len(owned) > 4 else "")
     total = sum(p.numel() for _, p in named_params)
     return [f"optimizer state of {sum(p.numel() for _, p in owned):,} of {total:,} weights: {names}"]
-
-
-def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
-    inner = getattr(optimizer, "optim", optimizer)
-    # A saved group carries how the saving run stepped (fused or a per-tensor loop): this run keeps its own.
-    kept = [[{k: g[k] for k in ("fused", "foreach") if k in g} for g in o.param_groups] for o in (optimizer, inner)]
-    optimizer.load_state_dict(state)  # ShardedOptimizer and ZeroRedundancyOptimizer keep their own share
-    for o, groups in zip((optimizer, inner), kept, strict=True):
-        for group, own in zip(o.param_groups, groups, strict=True):
-            group.update(own)
-    # torch's ZeroRedundancyOptimizer moves every 0-d state tensor (Adam's step) to the CPU as it
-    # loads (torch 2.13), and the fused and capturable kernels refuse a step that is not on its
-    # parameter's device (pytorch#124133): put it where a step() would have kept it.
-    if inner.defaults.get("fused") or inner.defaults.get("capturable"):
-        for p, s in inner.state.items():
-            if torch.is_tensor(s.get("step")):
-                s["step"] = s["step"].to(p.device, torch.float32)
 
 
 @dataclass(eq=False)
@@ -1944,18 +1953,9 @@ class ManualFSDP(Wrapper):
             if p.grad is not None:
                 p.grad.div_(self.world)
 
-    def clip_gradients(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-        """The 2-norm of the whole averaged gradient: each rank adds the squares of its shards
-        (the padding is zero), rank 0 those of the replicated parameters; one all-reduce sums them."""
-        grads = [p.grad for unit in self.units for p in unit.trainable if p.grad is not None]
-        grads += [p.grad for p in self.replicated if p.grad is not None and self.rank == 0]
-        device = next(self.module.parameters()).device
-        norm = sum((g.float().square().sum() for g in grads), torch.zeros((), device=device))
-        dist.all_reduce(norm)
-        norm = norm.sqrt()
-        if max_norm:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        return norm
+    def norm_parts(self, params: list[nn.Parameter]) -> tuple[list, list, dist.ProcessGroup | None]:
+        shards = [p.grad for unit in self.units for p in unit.trainable if p.grad is not None]  # the padding is 0
+        return shards, [p.grad for p in self.replicated if p.grad is not None], None
 
     def whole(self, p: nn.Parameter, shard: torch.Tensor | None = None) -> torch.Tensor:
         """The whole of p (or of a tensor cut like p, such as its Adam moment), in the master dtype.
@@ -1975,29 +1975,13 @@ class ManualFSDP(Wrapper):
         """whole(), for any tensor of p's state: a 0-d one (Adam's step count) is never cut."""
         return self.whole(p, t) if t.dim() else t
 
-    def rank0_state(self, d: Dist, named_params: list, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-        weights = {n: self.whole(p) for n, p in named_params}
-        state = optimizer.state_dict()  # its tensors are cut like their parameters: each is gathered
-        params = [p for _, p in named_params]
-        moments = {i: {k: self.whole_of(params[i], v) if torch.is_tensor(v) else v for k, v in s.items()}
-                   for i, s in state["state"].items()}  # fmt: skip
-        if not d.is_main:
-            return {}, {}
-        return to_cpu(weights), to_cpu({**state, "state": moments})
+    rank0_holds_all = False
 
-    def load_state(self, named_params: list, weights: dict, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        params = [p for _, p in named_params]
-        with torch.no_grad():
-            for name, p in named_params:
-                p.copy_(self.cut(p, weights[name]))
-        moments = {i: {k: self.cut(params[i], v) if torch.is_tensor(v) and v.dim() else v for k, v in s.items()}
-                   for i, s in state["state"].items()}  # fmt: skip
-        load_optimizer_state(optimizer, {**state, "state": moments})
+    def gather(self, name: str, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return self.whole_of(p, t)
 
-    def whole_state_dict(self, d: Dist, raw: nn.Module) -> dict | None:
-        whole: dict[int, torch.Tensor] = {}  # by tensor: tied weights stay one tensor
-        state = {name: whole.setdefault(id(t), self.whole(t)) for name, t in raw.state_dict(keep_vars=True).items()}
-        return to_cpu(state) if d.is_main else None
+    def part(self, name: str, p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+        return self.cut(p, whole) if whole.dim() else whole
 
     def replicated(self, named_params: list, optimizer: torch.optim.Optimizer | None = None) -> list:
         """Only the replicated parameters' gradients are alike on every rank; the weights and the
@@ -2005,8 +1989,7 @@ class ManualFSDP(Wrapper):
         is broken, which is all this can check here, as no rank holds a copy of another's shard."""
         if optimizer is None:
             return [(f"grad of {n}", p.grad) for n, p in named_params if p.grad is not None and p not in self.shard]
-        state = [(name, self.whole_of(p, t)) for name, p, t in optimizer_state_tensors(named_params, optimizer)]
-        return [(n, self.whole(p)) for n, p in named_params] + state
+        return gathered_state(self, named_params, optimizer)
 
     def ownership(self, named_params: list, optimizer: torch.optim.Optimizer) -> list[str]:
         lines = []
@@ -2018,6 +2001,12 @@ class ManualFSDP(Wrapper):
             *lines,
             f"... and so on for all {len(named_params)} trained tensors: weights, gradients, optimizer state",
         ]
+
+
+def gathered_state(model: Layout, named_params: list, optimizer: torch.optim.Optimizer) -> list:
+    """Every weight and optimizer tensor gathered whole (a collective), for --verify-sync under FSDP."""
+    state = [(what, model.gather(n, p, t)) for what, n, p, t in optimizer_state_tensors(named_params, optimizer)]
+    return [(n, model.gather(n, p, p.detach())) for n, p in named_params] + state
 
 
 class _AfterBackward(torch.autograd.Function):
@@ -2055,13 +2044,12 @@ def innermost_units(module: nn.Module, units: list[nn.Module]) -> dict[nn.Parame
 
 class TorchFSDP(Wrapper):
     """torch's fully_shard (FSDP2) on the same units. Its parameters are DTensors, each rank holding
-    a block of rows; torch's own distributed state-dict functions gather and load them whole."""
+    a block of rows, which DTensor's own full_tensor gathers whole."""
 
     gathers_in_forward = True
 
-    def __init__(self, root: nn.Module, named: nn.Module, split: ModelSplit | None = None) -> None:
+    def __init__(self, root: nn.Module, split: ModelSplit | None = None) -> None:
         super().__init__(root, split)
-        self.named = named  # the module whose parameter names a checkpoint uses (the root may wrap it)
         self.all_reduces_buckets = False
 
     @contextlib.contextmanager
@@ -2073,65 +2061,28 @@ class TorchFSDP(Wrapper):
         finally:
             self.module.set_requires_gradient_sync(True)
 
-    def clip_gradients(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-        return self.split.clip_gradients(params, max_norm, dp_sharded=self.gathers_in_forward)
+    def norm_parts(self, params: list[nn.Parameter]) -> tuple[list, list, dist.ProcessGroup | None]:
+        return self.split.norm_parts(params, dp_sharded=self.gathers_in_forward)
 
-    def full_state(self, model: nn.Module, rank0: bool, trainable: bool = False) -> dict[str, torch.Tensor]:
-        """model's state_dict whole: on rank 0's CPU alone (rank0), or on every rank."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    rank0_holds_all = False
 
-        options = StateDictOptions(full_state_dict=True, cpu_offload=rank0, ignore_frozen_params=trainable)
-        state = get_model_state_dict(model, options=options)
-        return {n: self.split.to_model_order(n, t) for n, t in state.items()}
+    def gather(self, name: str, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """A DTensor whole (torch's q, k, v slices gathered in rank order, put back in the model's)."""
+        return self.split.to_model_order(name, t.full_tensor()) if hasattr(t, "full_tensor") else t
 
-    def whole_optimizer_state(self, optimizer: torch.optim.Optimizer, names: list[str], rank0: bool) -> dict:
-        """The optimizer's state whole, as a plain optimizer's state_dict() numbers its parameters."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    def part(self, name: str, p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's block of a whole tensor, as a DTensor laid out as p is, cut locally (no collective)."""
+        if not (whole.dim() and hasattr(p, "device_mesh")):
+            return whole
+        from torch.distributed.tensor import distribute_tensor
 
-        options = StateDictOptions(full_state_dict=True, cpu_offload=rank0)
-        state = get_optimizer_state_dict(self.named, optimizer, options=options)
-        if not state:  # with cpu_offload, only rank 0 gets it
-            return {}
-        order = self.split.to_model_order
-        moments = {n: {k: order(n, v) if torch.is_tensor(v) and v.dim() else v for k, v in s.items()}
-                   for n, s in state["state"].items()}  # fmt: skip
-        return renumber({**state, "state": moments}, number(names))
-
-    def rank0_state(self, d: Dist, named_params: list, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-        names = [n for n, _ in named_params]
-        weights, state = self.full_state(self.named, True, True), self.whole_optimizer_state(optimizer, names, True)
-        return ({n: weights[n] for n in names}, state) if d.is_main else ({}, {})
-
-    def load_state(self, named_params: list, weights: dict, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
-
-        by_name = renumber(state, dict(enumerate(n for n, _ in named_params)))
-        order = self.split.to_rank_order  # torch's q, k, v slices are taken from a rank-ordered whole
-        weights = {n: order(n, t) for n, t in weights.items()}
-        by_name["state"] = {n: {k: order(n, v) if torch.is_tensor(v) and v.dim() else v for k, v in s.items()}
-                            for n, s in by_name["state"].items()}  # fmt: skip
-        options = StateDictOptions(full_state_dict=True, strict=False)  # LoRA: the adapters alone
-        if not state["state"]:  # plain SGD keeps none, and set_state_dict then finds no device to put it on
-            set_model_state_dict(self.named, weights, options=options)
-            return load_optimizer_state(optimizer, state)  # its groups: a plain optimizer's, by index
-        set_state_dict(self.named, optimizer, model_state_dict=weights, optim_state_dict=by_name, options=options)
-
-    def whole_state_dict(self, d: Dist, raw: nn.Module) -> dict | None:
-        state = self.full_state(raw, rank0=True)
-        if not d.is_main:
-            return None
-        first: dict[int, torch.Tensor] = {}  # tied weights come back as two tensors: one again
-        return {name: first.setdefault(id(t), state[name]) for name, t in raw.state_dict(keep_vars=True).items()}
+        whole = self.split.to_rank_order(name, whole).to(p.device)
+        return distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)
 
     def replicated(self, named_params: list, optimizer: torch.optim.Optimizer | None = None) -> list:
         """No gradient is replicated: each rank holds its rows. The weights and the optimizer state
         gathered whole (a collective) are equal everywhere unless the gather itself is broken."""
-        if optimizer is None:
-            return []
-        names = [n for n, _ in named_params]
-        weights, state = self.full_state(self.named, False, True), self.whole_optimizer_state(optimizer, names, False)
-        moments = [(f"optimizer {k} of {names[i]}", v) for i, s in state["state"].items() for k, v in s.items()]
-        return [(n, weights[n]) for n in names] + [(name, v) for name, v in moments if torch.is_tensor(v)]
+        return [] if optimizer is None else gathered_state(self, named_params, optimizer)
 
     def ownership(self, named_params: list, optimizer: torch.optim.Optimizer) -> list[str]:
         lines = []
@@ -2150,23 +2101,12 @@ class TorchFSDP(Wrapper):
                 unit.reshard()
 
 
-def number(names: list[str]) -> dict[str, int]:
-    return {name: i for i, name in enumerate(names)}
-
-
 class TorchReplicated(TorchFSDP):
     """torch's data parallelism for a tensor-parallel model: its DDP takes no DTensor parameter, and
     torch's replicate (FSDP's machinery, the weights kept whole along the replicas) does. It answers
     as fully_shard's wrapper does, but no forward gathers anything."""
 
     gathers_in_forward = False
-
-
-def renumber(state: dict, key: dict) -> dict:
-    """An optimizer state_dict with its parameters renamed by `key`: torch's distributed state dicts
-    name them, a plain optimizer numbers them (in the order its parameters were given)."""
-    groups = [{**g, "params": [key[q] for q in g["params"]]} for g in state["param_groups"]]
-    return {"state": {key[q]: s for q, s in state["state"].items()}, "param_groups": groups}
 
 
 def shard_fully(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats, split: ModelSplit | None = None) -> Wrapper:
@@ -2187,7 +2127,7 @@ def shard_fully(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats, split:
     # FSDP2 warns that a unit returned a view, which an in-place op could detach from its
     # all-gather; this script never modifies a model's output in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-    return TorchFSDP(kit.trained, kit.model, split)
+    return TorchFSDP(kit.trained, split)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2208,6 +2148,7 @@ class ModelSplit:
     The wrappers (ManualDDP, TorchDDP, the FSDPs) ask their split what to gather, cut, count and clip."""
 
     loss_share = 1.0  # how much of this rank's loss counts in the global sum
+    holds_all = True  # every rank holds every weight of the model
 
     def sliced(self, name: str) -> bool:
         return False  # whether this rank holds only a slice of parameter `name`
@@ -2226,14 +2167,11 @@ class ModelSplit:
     def to_rank_order(self, name: str, whole: torch.Tensor) -> torch.Tensor:
         return whole  # ... and slices are cut from that order
 
-    def clip_gradients(self, params: list[nn.Parameter], max_norm: float, dp_sharded: bool = False) -> torch.Tensor:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        if max_norm:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        return norm.full_tensor() if dp_sharded else norm  # fully_shard's rows: torch summed their squares
-
-    def whole_state_dict(self, d: Dist, raw: nn.Module) -> dict | None:
-        return None  # rank 0's own model is whole
+    def norm_parts(self, params: list[nn.Parameter], dp_sharded: bool = False) -> tuple[list, list, None]:
+        """(own, alike, group) for global_grad_norm: every gradient whole on every rank, or under fully_shard
+        (dp_sharded) each rank's rows, its own, added up over every rank."""
+        grads = [local_part(p.grad) for p in params if p.grad is not None]
+        return (grads, [], None) if dp_sharded else ([], grads, None)
 
     def ownership(self, named_params: list) -> list[str]:
         return []
@@ -2352,6 +2290,7 @@ class TensorParallel(ModelSplit):
     def __init__(self, model: nn.Module, d: Dist, manual: bool, stats: CommStats | None = None) -> None:
         self.group, self.n, self.rank = d.group("tp"), d.tp, d.tp_rank
         self.loss_share = float(d.tp_rank == 0)  # every slice computed the same loss: one counts it
+        self.holds_all = False
         self.cuts: dict[str, tuple[int, int]] = {}  # parameter -> (the dimension cut, fused parts)
         for i, block in enumerate(model.blocks):
             self.cuts |= {f"blocks.{i}.attn.qkv.weight": (0, 3), f"blocks.{i}.attn.proj.weight": (1, 1),
@@ -2400,34 +2339,14 @@ class TensorParallel(ModelSplit):
             return DTensor.from_local(piece.to(like.device), like.device_mesh, like.placements)
         return piece
 
-    def clip_gradients(self, params: list[nn.Parameter], max_norm: float, dp_sharded: bool = False) -> torch.Tensor:
-        """One global norm: the squares of each rank's slices summed over the group, and those of what
-        every rank holds whole counted once (under FSDP's rows, dp_sharded: summed over every rank).
-        The same code for both kinds of tensor parallelism, so that they clip alike to the bit."""
+    def norm_parts(self, params: list[nn.Parameter], dp_sharded: bool = False) -> tuple[list, list, object]:
+        """Each rank's slices its own, summed over the group; what every rank of it holds whole counted once. The
+        same for both kinds of tensor parallelism, so that they clip alike to the bit. Under FSDP's rows
+        (dp_sharded) every part is this rank's own, the whole ones counted on the group's first rank."""
         sliced = {id(p) for n, p in self.model.named_parameters() if n in self.cuts}  # (data parallelism re-makes them)
-        grads = [(local_part(p.grad), id(p) in sliced) for p in params if p.grad is not None]
-        sliced, whole = (sum((g.float().square().sum() for g, s in grads if s == kind), torch.zeros(()).to(grads[0][0]))
-                         for kind in (True, False))  # fmt: skip
-        if dp_sharded:
-            total = sliced + whole * (self.rank == 0)
-            dist.all_reduce(total)
-        else:
-            dist.all_reduce(sliced, group=self.group)
-            total = sliced + whole
-        norm = total.sqrt()
-        if max_norm:  # a Python float: it multiplies a DTensor and a plain tensor alike
-            coef = min(1.0, max_norm / (float(norm) + 1e-6))
-            for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-        return norm
-
-    def whole_state_dict(self, d: Dist, raw: nn.Module) -> dict | None:
-        whole: dict[int, torch.Tensor] = {}  # by tensor: tied weights stay one tensor
-        state = {
-            name: whole.setdefault(id(t), self.whole(name, t)) for name, t in raw.state_dict(keep_vars=True).items()
-        }
-        return to_cpu(state) if d.is_main else None
+        own = [local_part(p.grad) for p in params if p.grad is not None and id(p) in sliced]
+        alike = [local_part(p.grad) for p in params if p.grad is not None and id(p) not in sliced]
+        return (own + alike * (self.rank == 0), [], None) if dp_sharded else (own, alike, self.group)
 
     def ownership(self, named_params: list) -> list[str]:
         lines = []
@@ -2463,17 +2382,8 @@ class StageSplit(ModelSplit):
         self.group, self.loss_share = d.group("pp"), float(last)  # only the last stage computes the loss
         self.first, self.last, self.owned, self.stage = first, last, owned, d.pp_rank
 
-    def clip_gradients(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-        """One global norm: each stage's squares, summed over the pipeline's stages."""
-        grads = [p.grad for p in params if p.grad is not None]
-        total = sum((g.float().square().sum() for g in grads), torch.zeros((), device=grads[0].device))
-        dist.all_reduce(total, group=self.group)
-        norm = total.sqrt()
-        if max_norm:
-            coef = min(1.0, max_norm / (float(norm) + 1e-6))
-            for g in grads:
-                g.mul_(coef)
-        return norm
+    def norm_parts(self, params: list[nn.Parameter]) -> tuple[list, list, dist.ProcessGroup]:
+        return [p.grad for p in params if p.grad is not None], [], self.group  # each stage's own, over the stages
 
     def holdings(self) -> str:
         parts = ["the embeddings"] * self.first + [f"blocks {self.owned.start}-{self.owned.stop - 1}"]
@@ -2485,7 +2395,7 @@ class StageSplit(ModelSplit):
 
 class PipelineState:
     """What a pipeline answers for the rest of the script: the whole state from its stages, each of
-    which holds its own parameters whole (checkpoints, the final save, --inspect, --verify-sync)."""
+    which holds its own parameters whole (whole_state_dict, rank0_state, --inspect, --verify-sync)."""
 
     d: Dist
     group: dist.ProcessGroup
@@ -2499,32 +2409,19 @@ class PipelineState:
         dist.gather_object(mine, stages, dst=0, group=self.group)
         return stages
 
-    def rank0_state(self, d: Dist, named_params: list, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-        """Each stage's weights and optimizer state by name, gathered to rank 0 and numbered there in
-        the whole model's order, which is the stages' order: the checkpoint of one process."""
-        local = optimizer.state_dict()
-        moments = {named_params[i][0]: s for i, s in local["state"].items()}
-        stages = self.gather_stages(to_cpu(({n: p.detach() for n, p in named_params}, moments)))
-        if not d.is_main:
-            return {}, {}
-        weights = {n: t for stage_weights, _ in stages for n, t in stage_weights.items()}
-        index = number(list(weights))
-        state = {index[n]: s for _, stage_moments in stages for n, s in stage_moments.items()}
-        return weights, {"state": state, "param_groups": [{**local["param_groups"][0], "params": list(index.values())}]}
+    rank0_holds_all = False
 
-    def load_state(self, named_params: list, weights: dict, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        """Each stage takes its own parameters' weights and state, by name, from the whole."""
-        index = number(list(weights))
-        with torch.no_grad():
-            for name, p in named_params:
-                p.copy_(weights[name])
-        mine = {j: state["state"][index[n]] for j, (n, _) in enumerate(named_params) if index[n] in state["state"]}
-        group = {**state["param_groups"][0], "params": list(range(len(named_params)))}
-        load_optimizer_state(optimizer, {"state": mine, "param_groups": [group]})
+    def gather(self, name: str, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return t  # a stage holds its own parameters whole
 
-    def whole_state_dict(self, d: Dist, raw: nn.Module) -> dict | None:
-        stages = self.gather_stages(to_cpu({n: t.detach() for n, t in raw.state_dict().items()}))
-        return {n: t for stage in stages for n, t in stage.items()} if d.is_main else {}
+    def part(self, name: str, p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+        return whole
+
+    def sends_to_rank0(self, d: Dist) -> bool:
+        return d.dp_rank == 0  # the first replica's stages
+
+    def join_stages(self, d: Dist, mine: object) -> list | None:
+        return self.gather_stages(mine)
 
     def replicated(self, named_params: list, optimizer: torch.optim.Optimizer | None = None) -> list:
         return []  # no tensor is held by every rank: each stage holds its own blocks
@@ -2723,7 +2620,7 @@ def wrap_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats, split: 
 
         for unit in [*kit.blocks, kit.trained]:  # inner units first, as fully_shard takes them
             replicate(unit, mesh=d.mesh["dp"])
-        return TorchReplicated(kit.trained, kit.model, split)
+        return TorchReplicated(kit.trained, split)
     return wrap_data_parallel(kit.trained, cfg, d, stats, split)
 
 
@@ -2786,7 +2683,7 @@ def run_core(argv: list[str] | None = None) -> None:
         kit = build_tiny_kit(cfg, d, Lines.from_texts([line.strip() for line in text.split("\n") if line.strip()]))
         torch.manual_seed(cfg.seed + d.rank // d.tp)  # dropout: each replica its own stream (run says why)
         model, progress = train(cfg, d, kit, PrintLoss(d))  # sharded or split as the flags say
-        whole = model.whole_state_dict(d, kit.model)  # a collective where no rank holds the whole model
+        whole = whole_state_dict(model, d, kit.model)  # a collective where no rank holds the whole model
         if d.is_main:
             print(f"[save] {kit.save_final(kit.model, progress.step, whole)}")
     finally:
@@ -4892,6 +4789,71 @@ def cannot_split(cfg: RunConfig) -> str | None:
     return None
 
 
+def rank0_state(model: Layout, d: Dist, named_params: list, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The trained weights and the optimizer's state, whole, on rank 0's CPU ({} elsewhere), numbered as one
+    process's optimizer numbers them, from any layout: a collective (Layout.gather, then join_stages)."""
+    keep = model.sends_to_rank0(d)
+    weights = {n: kept(model.gather(n, p, p.detach()), keep) for n, p in named_params}
+    state = whole_optimizer_state(d, optimizer, named_params, model.gather, keep)
+    moments = {named_params[i][0]: s for i, s in state.get("state", {}).items()}  # by name: stages join by name
+    stages = model.join_stages(d, (weights, moments))
+    if not d.is_main:
+        return {}, {}
+    weights = {n: w for stage_weights, _ in stages for n, w in stage_weights.items()}
+    index = {n: i for i, n in enumerate(weights)}  # the whole model's order, which is the stages' order
+    moments = {index[n]: s for _, stage_moments in stages for n, s in stage_moments.items()}
+    return weights, {"state": moments, "param_groups": [{**state["param_groups"][0], "params": list(index.values())}]}
+
+
+def kept(t: torch.Tensor, keep: bool) -> torch.Tensor | None:
+    return t.cpu() if keep else None  # gathered whole: to rank 0's CPU, dropped on the ranks that send nothing
+
+
+def whole_optimizer_state(d: Dist, optimizer: torch.optim.Optimizer, named_params: list,
+                          gather: Callable, keep: bool) -> dict:  # fmt: skip
+    """The optimizer's state_dict() with every tensor whole, where this rank sends it to rank 0 ({} elsewhere).
+    Under ZeRO-1 each rank holds the state of its own parameters: the optimizer collects them itself."""
+    if isinstance(optimizer, ShardedOptimizer):
+        return optimizer.state_dict(to=0, group=d.control)  # over Gloo: the state stays off the GPUs
+    if holds_a_share(optimizer):  # torch's ZeroRedundancyOptimizer
+        optimizer.consolidate_state_dict(to=0)
+        return optimizer.state_dict() if d.is_main else {}
+    state = optimizer.state_dict()
+    moments = {i: {k: kept(gather(*named_params[i], v), keep) if torch.is_tensor(v) else v for k, v in s.items()}
+               for i, s in state["state"].items()}  # fmt: skip
+    return {**state, "state": moments} if keep else {}
+
+
+def load_state(model: Layout, named_params: list, weights: dict, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Take a whole state, saved from any layout, into this run's: each rank keeps what it holds (Layout.part)."""
+    index = {n: i for i, n in enumerate(weights)}  # the whole model's order; a pipeline stage holds some of it
+    with torch.no_grad():
+        for name, p in named_params:
+            local_part(p).copy_(local_part(model.part(name, p, weights[name])))
+    saved = state["state"]
+    moments = {j: {k: model.part(n, p, v) if torch.is_tensor(v) else v for k, v in saved[index[n]].items()}
+               for j, (n, p) in enumerate(named_params) if index[n] in saved}  # fmt: skip
+    groups = [{**state["param_groups"][0], "params": list(range(len(named_params)))}]
+    load_optimizer_state(optimizer, {"state": moments, "param_groups": groups})
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    inner = getattr(optimizer, "optim", optimizer)
+    # A saved group carries how the saving run stepped (fused or a per-tensor loop): this run keeps its own.
+    kept = [[{k: g[k] for k in ("fused", "foreach") if k in g} for g in o.param_groups] for o in (optimizer, inner)]
+    optimizer.load_state_dict(state)  # ShardedOptimizer and ZeroRedundancyOptimizer keep their own share
+    for o, groups in zip((optimizer, inner), kept, strict=True):
+        for group, own in zip(o.param_groups, groups, strict=True):
+            group.update(own)
+    # torch's ZeroRedundancyOptimizer moves every 0-d state tensor (Adam's step) to the CPU as it
+    # loads (torch 2.13), and the fused and capturable kernels refuse a step that is not on its
+    # parameter's device (pytorch#124133): put it where a step() would have kept it.
+    if inner.defaults.get("fused") or inner.defaults.get("capturable"):
+        for p, s in inner.state.items():
+            if torch.is_tensor(s.get("step")):
+                s["step"] = s["step"].to(p.device, torch.float32)
+
+
 def all_gather_tensor(d: Dist, t: torch.Tensor) -> list[torch.Tensor]:
     if not d.distributed:
         return [t]
@@ -6414,7 +6376,7 @@ class StateSaver:
             dist.gather_object(capture_rng(d), rng, dst=0)
         # Trainable weights only: the whole tiny model, or just the LoRA adapters (the frozen
         # base comes back from --model-name-or-path).
-        trainable, optimizer_state = model.rank0_state(d, named_params, optimizer)
+        trainable, optimizer_state = rank0_state(model, d, named_params, optimizer)
         state = {
             "format": CHECKPOINT_FORMAT,
             "progress": asdict(progress),
@@ -6684,7 +6646,7 @@ def resume_training(
     d: Dist,
 ) -> Progress:
     """Put a checkpoint's whole state back, in whatever layout this run holds it."""
-    model.load_state(named_params, state["trainable"], optimizer, state["optimizer"])
+    load_state(model, named_params, state["trainable"], optimizer, state["optimizer"])
     if scaler and state["scaler"]:
         scaler.load_state_dict(state["scaler"])
     saved = {k: state["settings"].get(k, 1) for k in ("tp", "pp")} | {"world_size": len(state["rng"])}
@@ -6767,7 +6729,7 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
         tell_torchrun(f"stopped cleanly by {result.stopped_by} after step {step}, checkpoint written (exit code 3)")
         raise SystemExit(EXIT_STOPPED)
     outputs = [cfg.output_dir / kit.final_name]
-    whole = result.model.whole_state_dict(d, kit.model)  # under sharding full: gathered, on rank 0
+    whole = whole_state_dict(result.model, d, kit.model)  # sharded or split: gathered, on rank 0
     rank0_writes(d, kit.final_label, lambda: kit.save_final(kit.model, step, whole))
     if cfg.plot:
         history = result.progress.history

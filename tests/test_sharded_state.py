@@ -84,11 +84,11 @@ def zero_step(model, opt, ids):
 
 stepped, named, opt = zero_model()
 zero_step(stepped, opt, batches[0])
-weights, state = t.Wrapper(stepped).rank0_state(d, named, opt)
+weights, state = t.rank0_state(t.Wrapper(stepped), d, named, opt)
 box = [copy.deepcopy((weights, state))]  # as a checkpoint holds them: rank 0's are its live tensors
 dist.broadcast_object_list(box, src=0)
 resumed, named2, opt2 = zero_model()
-t.Wrapper(resumed).load_state(named2, *box[0][:1], opt2, box[0][1])
+t.load_state(t.Wrapper(resumed), named2, *box[0][:1], opt2, box[0][1])
 where = lambda o: sorted((n, k, str(v.device), str(v.dtype)) for n, p in (named if o is opt else named2)
                          for k, v in o.optim.state.get(p, {}).items())
 facts["zero"] = {"stepped": where(opt), "resumed": where(opt2)}
