@@ -948,64 +948,55 @@ def atomic_write(path: Path, data: bytes) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-class CommStats:
-    """Counts what the gradient all-reduce sends, and (for --inspect) keeps the local gradients.
+DDP_TAKES = inspect.signature(DDP.__init__).parameters
 
-    Both wrappers report every bucket they launch here: torch's DDP through a comm hook, the
-    manual one directly. Counting per optimizer step shows that accumulation's k-1 silent
-    micro-steps send nothing. The from-scratch FSDP, tensor and pipeline parallelism (ManualFSDP,
-    TensorParallel, Pipeline) report their collectives here too, by kind, for the summary and the timeline.
+
+def wrap_data_parallel(model: nn.Module, cfg: RunConfig, d: Dist, stats: CommStats,
+                       split: ModelSplit | None = None) -> nn.Module:  # fmt: skip
+    if not d.distributed or (split and d.dp == 1):
+        return Wrapper(model, split)  # one plain process, or one model split over every rank: nothing to average
+    if cfg.ddp == "manual":
+        return ManualDDP(model, d, cfg.bucket_mb, stats, split)
+    # torch's DDP broadcasts rank 0's parameters to all ranks now, then hooks every parameter:
+    # during backward, finished gradients fill buckets that are all-reduced (averaged) while the
+    # rest of backward still runs, so every rank ends the step with the same gradient.
+    ddp = TorchDDP(
+        model,
+        process_group=d.group("dp"),  # under model splitting: the replicas of this rank's slice
+        device_ids=[d.device.index] if d.device.type == "cuda" else None,
+        bucket_cap_mb=cfg.bucket_mb,
+        find_unused_parameters=True,  # one bucket layout for the whole run, ManualDDP's: see TorchDDP
+        # After the first backward .grad *is* a view into its bucket: backward accumulates into
+        # the bucket and the averaged result needs no copy back out. (This holds only while the
+        # .grad tensors live on: the loop zeroes them in place rather than setting them to None.)
+        gradient_as_bucket_view=True,
+        # Buffers never change here (Qwen's rotary frequencies are fixed), so there is nothing
+        # to re-send from rank 0 before every forward (torch 2.13 renamed the switch).
+        **{"forward_sync_buffers" if "forward_sync_buffers" in DDP_TAKES else "broadcast_buffers": False},
+    )
+    ddp.register_comm_hook(stats, counting_allreduce_hook)
+    ddp.split = split or ModelSplit()
+    return ddp
+
+
+def counting_allreduce_hook(stats, bucket):  # no annotations: DDP checks them, and rejects strings
+    """torch DDP's own all-reduce (divide by world size, then sum), after writing down the bucket.
+
+    With compression, torch's bf16 hook: the bucket travels as bf16 (2 bytes a number instead of
+    4) and is widened back to fp32 on arrival. bf16 keeps 8 bits of mantissa: every rank's
+    gradient is rounded by up to 2^-9 of itself before the sum, so the averaged gradient is off by
+    up to about 2^-9 of the *sum of their magnitudes* (more than 2^-9 of itself where they cancel).
     """
-
-    def __init__(self, model: nn.Module, compress: bool) -> None:
-        self.model = model
-        self.compress = compress  # --grad-compression bf16: send bf16, half the bytes
-        self.moved: dict[str, list[int]] = {}  # kind -> [calls, bytes], this rank's, over the attempt's steps
-        self.counting = False  # in a training step (from SideWork.begin_step to after_update)
-        self.steps = 0
-        self.calls = 0
-        self.bytes = 0
-        self.step_layout: dict[int, tuple[int, list[str]]] = {}
-        self.layout: list[tuple[int, list[str]]] = []  # per bucket: (bytes, parameter names)
-        self.local_grads: dict[str, torch.Tensor] | None = None  # set to {} to capture one step
-        self.timeline: Any = None  # --trace-steps: a Timeline, on which each collective becomes a span
-
-    @functools.cached_property
-    def name_of(self) -> dict[int, str]:  # at the first bucket: after tensor parallelism made its parameters
-        return {id(p): name for name, p in self.model.named_parameters()}
-
-    def count(self, kind: str, nbytes: int) -> None:
-        if not self.counting:
-            return
-        moved = self.moved.setdefault(kind, [0, 0])
-        moved[0], moved[1] = moved[0] + 1, moved[1] + nbytes
-
-    def record(self, index: int, nbytes: int, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-        self.calls += 1
-        self.bytes += nbytes
-        self.count("all-reduce of gradient buckets", nbytes)
-        self.step_layout[index] = (nbytes, [self.name_of[id(p)] for p in params])
-        if self.local_grads is not None:  # the gradient this rank computed, before averaging
-            for p, g in zip(params, grads, strict=True):
-                self.local_grads[self.name_of[id(p)]] = g.detach().clone()
-
-    def traced(self, future: torch.futures.Future, name: str, args: dict) -> torch.futures.Future:
-        """The collective's future, a span of the timeline's (--trace-steps) from now until it arrives."""
-        if self.timeline is None or not self.timeline.on:
-            return future
-        return self.timeline.collective(name, future, args)
-
-    def per_step(self) -> dict[str, tuple[float, float]]:
-        """Each kind of collective this rank started: (calls, bytes) per optimizer step."""
-        return {kind: (calls / self.steps, nbytes / self.steps) for kind, (calls, nbytes) in self.moved.items()}
-
-    def end_step(self) -> tuple[int, int]:
-        """Close the optimizer step: return (all-reduce calls, bytes) and note the bucket layout."""
-        calls, nbytes = self.calls, self.bytes
-        self.calls, self.bytes, self.steps = 0, 0, self.steps + 1
-        if self.step_layout:
-            self.layout, self.step_layout = [self.step_layout[i] for i in sorted(self.step_layout)], {}
-        return calls, nbytes
+    buffer = bucket.buffer()
+    wire_bytes = buffer.numel() * (2 if stats.compress else buffer.element_size())
+    stats.record(bucket.index(), wire_bytes, bucket.parameters(), bucket.gradients())
+    if stats.compress:
+        future = default_hooks.bf16_compress_hook(None, bucket)
+    else:
+        future = default_hooks.allreduce_hook(None, bucket)
+    wire_dtype = torch.bfloat16 if stats.compress else buffer.dtype
+    args = {"bucket": bucket.index(), "bytes": wire_bytes, "dtype": str(wire_dtype).removeprefix("torch.")}
+    return stats.traced(future, "all-reduce", args)
 
 
 class Layout:
@@ -1060,13 +1051,13 @@ class Layout:
         """Whether rank 0's own model is whole (the final save then needs no gathering)."""
         return self.split.holds_all
 
-    def gather(self, name: str, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    def whole_tensor(self, name: str, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """The whole of t, a tensor cut as parameter `name` (p) is cut: p itself, or its Adam moment;
         a collective where it is cut, every rank receiving the whole. A 0-d one (Adam's step) is never cut."""
         return self.split.whole(name, t) if t.dim() else t
 
-    def part(self, name: str, p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a whole tensor cut as parameter `name` (p) is cut: gather undone."""
+    def tensor_part(self, name: str, p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a whole tensor cut as parameter `name` (p) is cut: whole_tensor undone."""
         return self.split.part(name, whole, p) if whole.dim() else whole
 
     def sends_to_rank0(self, d: Dist) -> bool:
@@ -1101,33 +1092,26 @@ class Layout:
         """A forward without backward has run (the held-out loss)."""
 
 
-def to_cpu(tree: object) -> object:
-    """Every tensor of a state (dicts and lists of them) on the CPU, where rank 0 writes it from."""
-    if torch.is_tensor(tree):
-        return tree.cpu()
-    if isinstance(tree, dict):
-        return {k: to_cpu(v) for k, v in tree.items()}
-    return [to_cpu(v) for v in tree] if isinstance(tree, list) else tree
+class Wrapper(Layout, nn.Module):
+    """The wrapped module and no_sync() for accumulation: the from-scratch wrappers' base, and on
+    its own one plain process's, which has nothing to synchronise."""
 
+    def __init__(self, module: nn.Module, split: ModelSplit | None = None) -> None:
+        super().__init__()
+        self.module, self.split = module, split or ModelSplit()
+        self.all_reduces_buckets = split is None  # one process: none, counted as none; a split model alone: none
+        self.require_sync = True  # False inside no_sync(): gradients accumulate, nothing travels
 
-def local_part(t: torch.Tensor) -> torch.Tensor:
-    """The slice of a tensor this rank holds: a DTensor's local shard (fully_shard), else the tensor."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.require_sync = False
+        try:
+            yield
+        finally:
+            self.require_sync = True
 
-
-def whole_state_dict(model: Layout, d: Dist, raw: nn.Module) -> dict | None:
-    """raw.state_dict() whole on rank 0, on its CPU, for the final save, from any layout (a collective);
-    None where rank 0's own model is whole. Each tensor is gathered, and dropped where it is not sent."""
-    if model.rank0_holds_all:
-        return None
-    keep, whole = model.sends_to_rank0(d), {}
-    named = raw.state_dict(keep_vars=True)
-    for name, t in named.items():
-        if id(t) not in whole:  # tied weights are one tensor: gathered once, saved as one
-            gathered = model.gather(name, t, t.detach())
-            whole[id(t)] = gathered.cpu() if keep else None
-    stages = model.join_stages(d, {name: whole[id(t)] for name, t in named.items()})
-    return {name: t for stage in stages for name, t in stage.items()} if d.is_main else None
+    def forward(self, *args: object, **kwargs: object) -> object:
+        return self.module(*args, **kwargs)
 
 
 class TorchDDP(DDP, Layout):
@@ -1172,79 +1156,6 @@ def without_stderr_lines(text: str) -> Iterator[None]:
             caught.seek(0)
             with contextlib.suppress(OSError):  # a closed stderr (the launcher gone) must not mask the block's error
                 os.write(2, b"".join(line for line in caught if text.encode() not in line))
-
-
-class Wrapper(Layout, nn.Module):
-    """The wrapped module and no_sync() for accumulation: the from-scratch wrappers' base, and on
-    its own one plain process's, which has nothing to synchronise."""
-
-    def __init__(self, module: nn.Module, split: ModelSplit | None = None) -> None:
-        super().__init__()
-        self.module, self.split = module, split or ModelSplit()
-        self.all_reduces_buckets = split is None  # one process: none, counted as none; a split model alone: none
-        self.require_sync = True  # False inside no_sync(): gradients accumulate, nothing travels
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        self.require_sync = False
-        try:
-            yield
-        finally:
-            self.require_sync = True
-
-    def forward(self, *args: object, **kwargs: object) -> object:
-        return self.module(*args, **kwargs)
-
-
-DDP_TAKES = inspect.signature(DDP.__init__).parameters
-
-
-def wrap_data_parallel(model: nn.Module, cfg: RunConfig, d: Dist, stats: CommStats,
-                       split: ModelSplit | None = None) -> nn.Module:  # fmt: skip
-    if not d.distributed or (split and d.dp == 1):
-        return Wrapper(model, split)  # one plain process, or one model split over every rank: nothing to average
-    if cfg.ddp == "manual":
-        return ManualDDP(model, d, cfg.bucket_mb, stats, split)
-    # torch's DDP broadcasts rank 0's parameters to all ranks now, then hooks every parameter:
-    # during backward, finished gradients fill buckets that are all-reduced (averaged) while the
-    # rest of backward still runs, so every rank ends the step with the same gradient.
-    ddp = TorchDDP(
-        model,
-        process_group=d.group("dp"),  # under model splitting: the replicas of this rank's slice
-        device_ids=[d.device.index] if d.device.type == "cuda" else None,
-        bucket_cap_mb=cfg.bucket_mb,
-        find_unused_parameters=True,  # one bucket layout for the whole run, ManualDDP's: see TorchDDP
-        # After the first backward .grad *is* a view into its bucket: backward accumulates into
-        # the bucket and the averaged result needs no copy back out. (This holds only while the
-        # .grad tensors live on: the loop zeroes them in place rather than setting them to None.)
-        gradient_as_bucket_view=True,
-        # Buffers never change here (Qwen's rotary frequencies are fixed), so there is nothing
-        # to re-send from rank 0 before every forward (torch 2.13 renamed the switch).
-        **{"forward_sync_buffers" if "forward_sync_buffers" in DDP_TAKES else "broadcast_buffers": False},
-    )
-    ddp.register_comm_hook(stats, counting_allreduce_hook)
-    ddp.split = split or ModelSplit()
-    return ddp
-
-
-def counting_allreduce_hook(stats, bucket):  # no annotations: DDP checks them, and rejects strings
-    """torch DDP's own all-reduce (divide by world size, then sum), after writing down the bucket.
-
-    With compression, torch's bf16 hook: the bucket travels as bf16 (2 bytes a number instead of
-    4) and is widened back to fp32 on arrival. bf16 keeps 8 bits of mantissa: every rank's
-    gradient is rounded by up to 2^-9 of itself before the sum, so the averaged gradient is off by
-    up to about 2^-9 of the *sum of their magnitudes* (more than 2^-9 of itself where they cancel).
-    """
-    buffer = bucket.buffer()
-    wire_bytes = buffer.numel() * (2 if stats.compress else buffer.element_size())
-    stats.record(bucket.index(), wire_bytes, bucket.parameters(), bucket.gradients())
-    if stats.compress:
-        future = default_hooks.bf16_compress_hook(None, bucket)
-    else:
-        future = default_hooks.allreduce_hook(None, bucket)
-    wire_dtype = torch.bfloat16 if stats.compress else buffer.dtype
-    args = {"bucket": bucket.index(), "bytes": wire_bytes, "dtype": str(wire_dtype).removeprefix("torch.")}
-    return stats.traced(future, "all-reduce", args)
 
 
 @dataclass(eq=False)
@@ -1342,6 +1253,95 @@ class ManualDDP(Wrapper):
 
     def gradient_buffers(self) -> list[torch.Tensor]:
         return [bucket.flat for bucket in self.buckets]  # a second copy of the gradients (torch's .grad is a view)
+
+
+def to_cpu(tree: object) -> object:
+    """Every tensor of a state (dicts and lists of them) on the CPU, where rank 0 writes it from."""
+    if torch.is_tensor(tree):
+        return tree.cpu()
+    if isinstance(tree, dict):
+        return {k: to_cpu(v) for k, v in tree.items()}
+    return [to_cpu(v) for v in tree] if isinstance(tree, list) else tree
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """The slice of a tensor this rank holds: a DTensor's local shard (fully_shard), else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def whole_state_dict(model: Layout, d: Dist, raw: nn.Module) -> dict | None:
+    """raw.state_dict() whole on rank 0, on its CPU, for the final save, from any layout (a collective);
+    None where rank 0's own model is whole. Each tensor is gathered, and dropped where it is not sent."""
+    if model.rank0_holds_all:
+        return None
+    keep, whole = model.sends_to_rank0(d), {}
+    named = raw.state_dict(keep_vars=True)
+    for name, t in named.items():
+        if id(t) not in whole:  # tied weights are one tensor: gathered once, saved as one
+            gathered = model.whole_tensor(name, t, t.detach())
+            whole[id(t)] = gathered.cpu() if keep else None
+    stages = model.join_stages(d, {name: whole[id(t)] for name, t in named.items()})
+    return {name: t for stage in stages for name, t in stage.items()} if d.is_main else None
+
+
+class CommStats:
+    """Counts what the gradient all-reduce sends, and (for --inspect) keeps the local gradients.
+
+    Both wrappers report every bucket they launch here: torch's DDP through a comm hook, the
+    manual one directly. Counting per optimizer step shows that accumulation's k-1 silent
+    micro-steps send nothing. The from-scratch FSDP, tensor and pipeline parallelism (ManualFSDP,
+    TensorParallel, Pipeline) report their collectives here too, by kind, for the summary and the timeline.
+    """
+
+    def __init__(self, model: nn.Module, compress: bool) -> None:
+        self.model = model
+        self.compress = compress  # --grad-compression bf16: send bf16, half the bytes
+        self.moved: dict[str, list[int]] = {}  # kind -> [calls, bytes], this rank's, over the attempt's steps
+        self.counting = False  # in a training step (from SideWork.begin_step to after_update)
+        self.steps = 0
+        self.calls = 0
+        self.bytes = 0
+        self.step_layout: dict[int, tuple[int, list[str]]] = {}
+        self.layout: list[tuple[int, list[str]]] = []  # per bucket: (bytes, parameter names)
+        self.local_grads: dict[str, torch.Tensor] | None = None  # set to {} to capture one step
+        self.timeline: Any = None  # --trace-steps: a Timeline, on which each collective becomes a span
+
+    @functools.cached_property
+    def name_of(self) -> dict[int, str]:  # at the first bucket: after tensor parallelism made its parameters
+        return {id(p): name for name, p in self.model.named_parameters()}
+
+    def count(self, kind: str, nbytes: int) -> None:
+        if not self.counting:
+            return
+        moved = self.moved.setdefault(kind, [0, 0])
+        moved[0], moved[1] = moved[0] + 1, moved[1] + nbytes
+
+    def record(self, index: int, nbytes: int, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        self.calls += 1
+        self.bytes += nbytes
+        self.count("all-reduce of gradient buckets", nbytes)
+        self.step_layout[index] = (nbytes, [self.name_of[id(p)] for p in params])
+        if self.local_grads is not None:  # the gradient this rank computed, before averaging
+            for p, g in zip(params, grads, strict=True):
+                self.local_grads[self.name_of[id(p)]] = g.detach().clone()
+
+    def traced(self, future: torch.futures.Future, name: str, args: dict) -> torch.futures.Future:
+        """The collective's future, a span of the timeline's (--trace-steps) from now until it arrives."""
+        if self.timeline is None or not self.timeline.on:
+            return future
+        return self.timeline.collective(name, future, args)
+
+    def per_step(self) -> dict[str, tuple[float, float]]:
+        """Each kind of collective this rank started: (calls, bytes) per optimizer step."""
+        return {kind: (calls / self.steps, nbytes / self.steps) for kind, (calls, nbytes) in self.moved.items()}
+
+    def end_step(self) -> tuple[int, int]:
+        """Close the optimizer step: return (all-reduce calls, bytes) and note the bucket layout."""
+        calls, nbytes = self.calls, self.bytes
+        self.calls, self.bytes, self.steps = 0, 0, self.steps + 1
+        if self.step_layout:
+            self.layout, self.step_layout = [self.step_layout[i] for i in sorted(self.step_layout)], {}
+        return calls, nbytes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1977,10 +1977,10 @@ class ManualFSDP(Wrapper):
 
     rank0_holds_all = False
 
-    def gather(self, name: str, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    def whole_tensor(self, name: str, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return self.whole_of(p, t)
 
-    def part(self, name: str, p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    def tensor_part(self, name: str, p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
         return self.cut(p, whole) if whole.dim() else whole
 
     def replicated(self, named_params: list, optimizer: torch.optim.Optimizer | None = None) -> list:
@@ -2005,8 +2005,8 @@ class ManualFSDP(Wrapper):
 
 def gathered_state(model: Layout, named_params: list, optimizer: torch.optim.Optimizer) -> list:
     """Every weight and optimizer tensor gathered whole (a collective), for --verify-sync under FSDP."""
-    state = [(what, model.gather(n, p, t)) for what, n, p, t in optimizer_state_tensors(named_params, optimizer)]
-    return [(n, model.gather(n, p, p.detach())) for n, p in named_params] + state
+    state = [(what, model.whole_tensor(n, p, t)) for what, n, p, t in optimizer_state_tensors(named_params, optimizer)]
+    return [(n, model.whole_tensor(n, p, p.detach())) for n, p in named_params] + state
 
 
 class _AfterBackward(torch.autograd.Function):
@@ -2066,11 +2066,11 @@ class TorchFSDP(Wrapper):
 
     rank0_holds_all = False
 
-    def gather(self, name: str, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    def whole_tensor(self, name: str, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """A DTensor whole (torch's q, k, v slices gathered in rank order, put back in the model's)."""
         return self.split.to_model_order(name, t.full_tensor()) if hasattr(t, "full_tensor") else t
 
-    def part(self, name: str, p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    def tensor_part(self, name: str, p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
         """This rank's block of a whole tensor, as a DTensor laid out as p is, cut locally (no collective)."""
         if not (whole.dim() and hasattr(p, "device_mesh")):
             return whole
@@ -2411,10 +2411,10 @@ class PipelineState:
 
     rank0_holds_all = False
 
-    def gather(self, name: str, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    def whole_tensor(self, name: str, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return t  # a stage holds its own parameters whole
 
-    def part(self, name: str, p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    def tensor_part(self, name: str, p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
         return whole
 
     def sends_to_rank0(self, d: Dist) -> bool:
@@ -4791,10 +4791,10 @@ def cannot_split(cfg: RunConfig) -> str | None:
 
 def rank0_state(model: Layout, d: Dist, named_params: list, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """The trained weights and the optimizer's state, whole, on rank 0's CPU ({} elsewhere), numbered as one
-    process's optimizer numbers them, from any layout: a collective (Layout.gather, then join_stages)."""
+    process's optimizer numbers them, from any layout: a collective (Layout.whole_tensor, then join_stages)."""
     keep = model.sends_to_rank0(d)
-    weights = {n: kept(model.gather(n, p, p.detach()), keep) for n, p in named_params}
-    state = whole_optimizer_state(d, optimizer, named_params, model.gather, keep)
+    weights = {n: kept(model.whole_tensor(n, p, p.detach()), keep) for n, p in named_params}
+    state = whole_optimizer_state(d, optimizer, named_params, model.whole_tensor, keep)
     moments = {named_params[i][0]: s for i, s in state.get("state", {}).items()}  # by name: stages join by name
     stages = model.join_stages(d, (weights, moments))
     if not d.is_main:
@@ -4825,13 +4825,13 @@ def whole_optimizer_state(d: Dist, optimizer: torch.optim.Optimizer, named_param
 
 
 def load_state(model: Layout, named_params: list, weights: dict, optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """Take a whole state, saved from any layout, into this run's: each rank keeps what it holds (Layout.part)."""
+    """Take a whole state, saved from any layout, into this run's: each rank keeps its part (Layout.tensor_part)."""
     index = {n: i for i, n in enumerate(weights)}  # the whole model's order; a pipeline stage holds some of it
     with torch.no_grad():
         for name, p in named_params:
-            local_part(p).copy_(local_part(model.part(name, p, weights[name])))
+            local_part(p).copy_(local_part(model.tensor_part(name, p, weights[name])))
     saved = state["state"]
-    moments = {j: {k: model.part(n, p, v) if torch.is_tensor(v) else v for k, v in saved[index[n]].items()}
+    moments = {j: {k: model.tensor_part(n, p, v) if torch.is_tensor(v) else v for k, v in saved[index[n]].items()}
                for j, (n, p) in enumerate(named_params) if index[n] in saved}  # fmt: skip
     groups = [{**state["param_groups"][0], "params": list(range(len(named_params)))}]
     load_optimizer_state(optimizer, {"state": moments, "param_groups": groups})
