@@ -1032,11 +1032,9 @@ class Layout:
         """The norm of the whole synchronised gradient, identical on every rank (global_grad_norm); clipped
         to max_norm when set. Identical norms clip identically: the replicas stay identical."""
         norm = global_grad_norm(*self.norm_parts(params))
-        if max_norm:  # a Python float: it multiplies a DTensor and a plain tensor alike
-            coef = min(1.0, max_norm / (float(norm) + 1e-6))
-            for p in params if coef < 1.0 else ():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+        if max_norm:  # on the device, no wait for it; each rank scales what it holds (a DTensor's local part)
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_([local_part(p.grad) for p in params if p.grad is not None], coef)
         return norm
 
     def norm_parts(self, params: list[nn.Parameter]) -> tuple[list, list, dist.ProcessGroup | None]:
@@ -1122,7 +1120,7 @@ class TorchDDP(DDP, Layout):
     Looking for unused parameters, the reducer never rebuilds and buckets as ManualDDP plans, for a
     walk of the autograd graph and a small all-reduce of a used-parameter map a step."""
 
-    split: ModelSplit | None = None  # set by wrap_model
+    split: ModelSplit | None = None  # set by wrap_data_parallel
     searched = False  # has a synced forward looked for unused parameters yet
 
     def _post_forward(self, output: object) -> object:  # where torch 2.13's DDP searches, after the model ran
@@ -1255,15 +1253,6 @@ class ManualDDP(Wrapper):
         return [bucket.flat for bucket in self.buckets]  # a second copy of the gradients (torch's .grad is a view)
 
 
-def to_cpu(tree: object) -> object:
-    """Every tensor of a state (dicts and lists of them) on the CPU, where rank 0 writes it from."""
-    if torch.is_tensor(tree):
-        return tree.cpu()
-    if isinstance(tree, dict):
-        return {k: to_cpu(v) for k, v in tree.items()}
-    return [to_cpu(v) for v in tree] if isinstance(tree, list) else tree
-
-
 def local_part(t: torch.Tensor) -> torch.Tensor:
     """The slice of a tensor this rank holds: a DTensor's local shard (fully_shard), else the tensor."""
     return t.to_local() if hasattr(t, "to_local") else t
@@ -1297,7 +1286,7 @@ class CommStats:
         self.model = model
         self.compress = compress  # --grad-compression bf16: send bf16, half the bytes
         self.moved: dict[str, list[int]] = {}  # kind -> [calls, bytes], this rank's, over the attempt's steps
-        self.counting = False  # in a training step (from SideWork.begin_step to after_update)
+        self.counting = False  # in a training step's collectives (not evaluation's): set by the side work
         self.steps = 0
         self.calls = 0
         self.bytes = 0
@@ -1376,7 +1365,8 @@ def global_grad_norm(own: list[torch.Tensor], alike: list[torch.Tensor], group: 
     of its own parts (slices, shards, stages) summed over the group, those every rank holds alike once.
     One function for every layout (Layout.norm_parts says which parts are which)."""
     device = next((g.device for g in [*own, *alike]), torch.device("cpu"))
-    squares = [sum((g.float().square().sum() for g in part), torch.zeros((), device=device)) for part in (own, alike)]
+    squares = [sum((torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in part),
+                   torch.zeros((), device=device)) for part in (own, alike)]  # fmt: skip
     if own:
         dist.all_reduce(squares[0], group=group)
     return (squares[0] + squares[1]).sqrt()
@@ -1405,7 +1395,7 @@ class MicroStep:
 
 class Hooks:
     """What train() does besides the DDP steps, called at fixed points of every step. This default does
-    nothing: the core alone trains in fp32 and says nothing. The full script fills it (RunHooks): resume,
+    nothing: the core alone trains in fp32 and says nothing. The full script fills it (SideWork): resume,
     the run's header, progress and metrics, evaluation, checkpoints, faults on purpose, stop requests,
     the timeline, --inspect and --verify-sync."""
 
@@ -1419,36 +1409,47 @@ class Hooks:
 
     def start(self, model: Layout, named_params: list, optimizer: torch.optim.Optimizer,
               sampler: DistributedSampler, steps_per_epoch: int) -> Progress:  # fmt: skip
-        return Progress()  # where the run starts: step 0, or a checkpoint's step
+        """Before the first step: where the run starts (step 0 here; a checkpoint's step on resume)."""
+        return Progress()
 
-    def begin_step(self, step: int) -> None: ...
+    def begin_step(self, step: int) -> None:
+        """A step starts (before its batch is read)."""
 
-    def mark(self, phase: str) -> None: ...  # the step reached the end of a phase: data, forward, ...
+    def mark(self, phase: str) -> None:
+        """The step has reached the end of a phase: data, forward, backward, sync, optimizer."""
 
     def loss(self, micro_loss: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's loss on its way to backward (a fault on purpose may spoil it)."""
         return micro_loss
 
-    def votes(self) -> list[float]:
-        return []  # facts every rank must hear before backward, in the step's one small all-reduce
+    def shared_votes(self) -> list[float]:
+        """Facts every rank must hear before backward: they ride in the step's one small all-reduce."""
+        return []
 
-    def heard(self, votes: list[float]) -> bool:
-        return False  # whether to stop now, given the votes summed over the ranks
+    def should_stop(self, votes: list[float]) -> bool:
+        """Given those votes summed over the ranks: whether every rank stops now, before this step."""
+        return False
 
     def gradients_synced(self, step: int, model: Layout, named_params: list, sent: tuple[int, int],
-                         local_loss_sum: torch.Tensor, micro_tokens: list[int]) -> None: ...  # fmt: skip
+                         local_loss_sum: torch.Tensor, micro_tokens: list[int]) -> None:  # fmt: skip
+        """Every gradient is averaged, not yet clipped; `sent`: the step's bucket all-reduces (calls, bytes)."""
 
     def non_finite(self, step: int, loss: float, grad_norm: float, local_loss_sum: float) -> None:
+        """The loss or the gradient norm is not finite: stop before the update."""
         raise TrainingError(f"non-finite loss or gradient norm at step {step} (loss {loss}, grad norm {grad_norm})")
 
-    def before_update(self, step: int, model: Layout, named_params: list) -> None: ...
+    def before_update(self, step: int, model: Layout, named_params: list) -> None:
+        """The gradients are clipped; the optimizer steps next."""
 
-    def after_update(self, step: int, model: Layout, named_params: list, optimizer: torch.optim.Optimizer) -> None: ...
+    def after_update(self, step: int, model: Layout, named_params: list, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer has stepped."""
 
     def step_done(self, metrics: dict[str, float], tokens: int, seconds: float, model: Layout,
-                  named_params: list, optimizer: torch.optim.Optimizer, progress: Progress) -> None: ...  # fmt: skip
+                  named_params: list, optimizer: torch.optim.Optimizer, progress: Progress) -> None:  # fmt: skip
+        """The step is done: its metrics, real target tokens and seconds; `progress` already counts it."""
 
     def finish(self, model: Layout, named_params: list, optimizer: torch.optim.Optimizer, progress: Progress) -> None:
-        """The loop has ended: finished, or stopped when heard() said so."""
+        """The loop has ended: finished, or stopped when should_stop() said so."""
 
 
 def lr_at(cfg: RunConfig, step: int) -> float:
@@ -1547,8 +1548,8 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, hooks: Hooks | None = None) ->
         hooks.mark("data")
         # One small all-reduce before any backward carries the facts every rank must share: the global
         # token count the loss divides by, and the hooks' votes (a stop request, a failed write).
-        global_tokens, *votes = all_reduce_sum(d, [sum(micro_tokens) * model.split.loss_share, *hooks.votes()])
-        if hooks.heard(votes):
+        global_tokens, *votes = all_reduce_sum(d, [sum(micro_tokens) * model.split.loss_share, *hooks.shared_votes()])
+        if hooks.should_stop(votes):
             break
         hooks.mark("sync")
         lr = lr_at(cfg, step)
@@ -1783,7 +1784,7 @@ class ManualFSDP(Wrapper):
         for u in units:
             mine = [p for p in u.parameters() if owner[p] is u]
             self.units.append(Unit(u, mine, [p for p in mine if p.requires_grad]))
-        self.replicated = [p for p in module.parameters() if p not in owner and p.requires_grad]
+        self.whole_params = [p for p in module.parameters() if p not in owner and p.requires_grad]
         self.shape = {p: p.shape for p in owner}
         self.shard = {p: self._cut(p) for p in owner}  # the master weights: p.data points here between steps
         self.held: dict[nn.Parameter, torch.Tensor] = {}  # whole gradients accumulated under no_sync()
@@ -1793,10 +1794,10 @@ class ManualFSDP(Wrapper):
         self.order_known = False
         self.gloo, self.stats = dist.get_backend() == "gloo", stats
         self.master: dict[nn.Parameter, torch.Tensor] = {}  # a replicated weight's own, while it computes cast
-        if param_dtype is not None and self.replicated:
+        if param_dtype is not None and self.whole_params:
             module.register_forward_pre_hook(self._cast_replicated)
             module.register_forward_hook(self._after_root_forward)
-            for p in self.replicated:
+            for p in self.whole_params:
                 p.register_post_accumulate_grad_hook(self._uncast_replicated)
         for unit in self.units:
             for p in unit.params:
@@ -1875,7 +1876,7 @@ class ManualFSDP(Wrapper):
         self._prefetch(self.finish_order, unit, -1)
 
     def _cast_replicated(self, module: nn.Module, args: tuple) -> None:
-        for p in self.replicated:
+        for p in self.whole_params:
             if p not in self.master:
                 self.master[p], p.data = p.data, p.data.to(self.param_dtype)
 
@@ -1936,7 +1937,7 @@ class ManualFSDP(Wrapper):
     def finish_gradient_sync(self) -> None:
         self.order_known = True
         self._uncast_replicated()  # a weight that got no gradient
-        replicated = [dist.all_reduce(p.grad, async_op=True) for p in self.replicated if p.grad is not None]
+        replicated = [dist.all_reduce(p.grad, async_op=True) for p in self.whole_params if p.grad is not None]
         for unit in self.units:
             if len(unit.arrived) < len(unit.trainable):
                 names = {q: n for n, q in self.module.named_parameters()}
@@ -1949,13 +1950,13 @@ class ManualFSDP(Wrapper):
             unit.settled, unit.arrived = [], set()
         for work in replicated:
             work.wait()
-        for p in self.replicated:
+        for p in self.whole_params:
             if p.grad is not None:
                 p.grad.div_(self.world)
 
     def norm_parts(self, params: list[nn.Parameter]) -> tuple[list, list, dist.ProcessGroup | None]:
         shards = [p.grad for unit in self.units for p in unit.trainable if p.grad is not None]  # the padding is 0
-        return shards, [p.grad for p in self.replicated if p.grad is not None], None
+        return shards, [p.grad for p in self.whole_params if p.grad is not None], None
 
     def whole(self, p: nn.Parameter, shard: torch.Tensor | None = None) -> torch.Tensor:
         """The whole of p (or of a tensor cut like p, such as its Adam moment), in the master dtype.
@@ -1967,21 +1968,14 @@ class ManualFSDP(Wrapper):
         all_gather_single(whole, shard.contiguous())
         return whole[: math.prod(self.shape[p])].view(self.shape[p])
 
-    def cut(self, p: nn.Parameter, whole: torch.Tensor) -> torch.Tensor:
-        """This rank's piece of a whole tensor shaped like p (to load a checkpoint into shards)."""
-        return self._cut(whole.to(self.shard[p].device)) if p in self.shard else whole
-
-    def whole_of(self, p: nn.Parameter, t: torch.Tensor) -> torch.Tensor:
-        """whole(), for any tensor of p's state: a 0-d one (Adam's step count) is never cut."""
-        return self.whole(p, t) if t.dim() else t
-
     rank0_holds_all = False
 
     def whole_tensor(self, name: str, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return self.whole_of(p, t)
+        return self.whole(p, t) if t.dim() else t  # a 0-d one (Adam's step count) is never cut
 
     def tensor_part(self, name: str, p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
-        return self.cut(p, whole) if whole.dim() else whole
+        """This rank's piece of a whole tensor shaped like p (to load a checkpoint into shards)."""
+        return self._cut(whole.to(self.shard[p].device)) if p in self.shard and whole.dim() else whole
 
     def replicated(self, named_params: list, optimizer: torch.optim.Optimizer | None = None) -> list:
         """Only the replicated parameters' gradients are alike on every rank; the weights and the
@@ -2145,7 +2139,7 @@ def shard_fully(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats, split:
 
 class ModelSplit:
     """How one replica's model is split across its ranks; this base splits nothing, whole on each rank.
-    The wrappers (ManualDDP, TorchDDP, the FSDPs) ask their split what to gather, cut, count and clip."""
+    The wrappers (ManualDDP, TorchDDP, the FSDPs) ask their split what to gather, cut, count and add up."""
 
     loss_share = 1.0  # how much of this rank's loss counts in the global sum
     holds_all = True  # every rank holds every weight of the model
@@ -2287,10 +2281,11 @@ class TensorParallel(ModelSplit):
     The embeddings, norms and head stay whole on every rank. --ddp manual swaps in the modules above;
     --ddp torch gives the same cuts to parallelize_module as ColwiseParallel and RowwiseParallel."""
 
+    holds_all = False  # each rank holds a slice of every block's matrices
+
     def __init__(self, model: nn.Module, d: Dist, manual: bool, stats: CommStats | None = None) -> None:
         self.group, self.n, self.rank = d.group("tp"), d.tp, d.tp_rank
         self.loss_share = float(d.tp_rank == 0)  # every slice computed the same loss: one counts it
-        self.holds_all = False
         self.cuts: dict[str, tuple[int, int]] = {}  # parameter -> (the dimension cut, fused parts)
         for i, block in enumerate(model.blocks):
             self.cuts |= {f"blocks.{i}.attn.qkv.weight": (0, 3), f"blocks.{i}.attn.proj.weight": (1, 1),
@@ -2401,14 +2396,6 @@ class PipelineState:
     group: dist.ProcessGroup
     split: StageSplit
 
-    def gather_stages(self, mine: object) -> list | None:
-        """Every stage's `mine`, in stage order, on rank 0 (a collective of the first replica's stages)."""
-        if self.d.dp_rank:
-            return None
-        stages = [None] * self.d.pp if self.d.is_main else None
-        dist.gather_object(mine, stages, dst=0, group=self.group)
-        return stages
-
     rank0_holds_all = False
 
     def whole_tensor(self, name: str, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -2421,7 +2408,12 @@ class PipelineState:
         return d.dp_rank == 0  # the first replica's stages
 
     def join_stages(self, d: Dist, mine: object) -> list | None:
-        return self.gather_stages(mine)
+        """Every stage's `mine`, in stage order, on rank 0 (a collective of the first replica's stages)."""
+        if d.dp_rank:
+            return None
+        stages = [None] * d.pp if d.is_main else None
+        dist.gather_object(mine, stages, dst=0, group=self.group)
+        return stages
 
     def replicated(self, named_params: list, optimizer: torch.optim.Optimizer | None = None) -> list:
         return []  # no tensor is held by every rank: each stage holds its own blocks
@@ -2650,13 +2642,16 @@ def plain_reading(metadata: dict) -> dict:
 
 def core_settings(argv: list[str] | None = None) -> RunConfig:
     argv = sys.argv[1:] if argv is None else argv
-    parser = add_flags(argparse.ArgumentParser(description="The teaching core alone: the tiny model on the corpus, "
-                                               "across the ranks torchrun starts"), plain_reading)  # fmt: skip
+    parser = argparse.ArgumentParser(description="The teaching core alone: the tiny model on the corpus, across the "
+                                     "ranks torchrun starts", allow_abbrev=False)  # fmt: skip
+    parser = add_flags(parser, plain_reading)
     args, typed = parser.parse_args(argv), {word.split("=", 1)[0] for word in argv if word.startswith("--")}
+    ignored = [s for s in fields(RunConfig) if s.name not in CORE_SETTINGS]
+    if given := [flag for s in ignored if (flag := "--" + s.name.replace("_", "-")) in typed]:
+        print(f"[core] ignored: {', '.join(given)}; the full script, llm_ddp_parallel_training.py, does that")
+    for setting in ignored:  # as if not given: --epochs, say, would otherwise leave --max-steps at 0
+        setattr(args, setting.name, setting.default)
     settle_defaults(args, typed)
-    if ignored := [f"--{s.name.replace('_', '-')}" for s in fields(RunConfig)
-                   if s.name not in CORE_SETTINGS and f"--{s.name.replace('_', '-')}" in typed]:  # fmt: skip
-        print(f"[core] ignored: {', '.join(ignored)}; the full script, llm_ddp_parallel_training.py, does that")
     return RunConfig(**vars(args))
 
 
@@ -2672,7 +2667,9 @@ class PrintLoss(Hooks):
 
 
 def run_core(argv: list[str] | None = None) -> None:
-    """launch -> connect -> shard -> train -> sync -> save: the seed's six stages, with nothing else."""
+    """launch -> connect -> shard -> train -> sync -> save, the seed's six stages, with nothing else: torchrun
+    launched this process, setup_distributed connects it, and train() shards the data (DistributedSampler),
+    trains, and syncs the gradients every step; rank 0 saves the model, gathered whole where it is cut."""
     cfg = core_settings(argv)
     torch.set_flush_denormal(True)  # denormal gradients (after ~100 steps) run in slow microcode on x86 CPUs
     d = setup_distributed(cfg)  # torchrun launched this process; it joins the others
@@ -2681,8 +2678,10 @@ def run_core(argv: list[str] | None = None) -> None:
             print(f"[core] {d.world_size} process(es), backend {d.backend or 'none'} on {d.device}: {d.why}")
         text = cfg.corpus_file.read_text(encoding="utf-8")
         kit = build_tiny_kit(cfg, d, Lines.from_texts([line.strip() for line in text.split("\n") if line.strip()]))
-        torch.manual_seed(cfg.seed + d.rank // d.tp)  # dropout: each replica its own stream (run says why)
-        model, progress = train(cfg, d, kit, PrintLoss(d))  # sharded or split as the flags say
+        # Dropout: each replica its own stream (W ranks dropping the same units of different examples would not
+        # be one process with a W-times batch); a tensor-parallel group computes one replica's activations.
+        torch.manual_seed(cfg.seed + d.rank // d.tp)
+        model, progress = train(cfg, d, kit, PrintLoss(d))  # shard, train, sync: step after step
         whole = whole_state_dict(model, d, kit.model)  # a collective where no rank holds the whole model
         if d.is_main:
             print(f"[save] {kit.save_final(kit.model, progress.step, whole)}")
@@ -2690,7 +2689,7 @@ def run_core(argv: list[str] | None = None) -> None:
         teardown_distributed()
 
 
-if __name__ == "__main__" and "\ndef main(" not in Path(__file__).read_text(encoding="utf-8"):
+if __name__ == "__main__" and "\n# =====" not in Path(__file__).read_text(encoding="utf-8"):
     run_core()  # the core saved alone; in the whole script, main() runs
 
 
@@ -5425,11 +5424,11 @@ class SideWork(Hooks):
     def loss(self, micro_loss: torch.Tensor) -> torch.Tensor:
         return micro_loss * float("nan") if self.fault == "nan" else micro_loss
 
-    def votes(self) -> list[float]:
+    def shared_votes(self) -> list[float]:
         # Whether any rank was asked to stop (STOP), and whether rank 0's last metrics write failed.
         return [STOP.signal is not None, self.reporter.failure is not None]
 
-    def heard(self, votes: list[float]) -> bool:
+    def should_stop(self, votes: list[float]) -> bool:
         stop_votes, failed = votes
         if failed:
             self.reporter.share_failure()

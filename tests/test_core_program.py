@@ -46,11 +46,11 @@ def test_the_core_alone_under_torchrun_writes_the_full_scripts_weights_bit_for_b
 
 
 def test_the_core_alone_runs_as_one_process_and_names_what_it_leaves_to_the_full_script(core, tmp_path):
-    run = run_cmd([sys.executable, str(core), *TINY, "--max-steps", "4", "--plot", "--output-dir", str(tmp_path / "o")],
-                  timeout=120)  # fmt: skip
+    args = [*TINY, "--max-steps", "4", "--epochs", "1", "--plot", "--output-dir", str(tmp_path / "o")]
+    run = run_cmd([sys.executable, str(core), *args], timeout=120)
     assert_ok(run)
-    assert run.stdout.count("| loss ") == 4
-    assert "[core] ignored: --plot; the full script, llm_ddp_parallel_training.py, does that" in run.stdout
+    assert run.stdout.count("| loss ") == 4, "--max-steps decides: an ignored --epochs changes nothing"
+    assert "[core] ignored: --epochs, --plot; the full script, llm_ddp_parallel_training.py, does that" in run.stdout
     assert sorted(p.name for p in (tmp_path / "o").iterdir()) == [t.TINY_FINAL], "no loss.png: --plot was ignored"
     model = t.load_tiny_checkpoint(tmp_path / "o" / t.TINY_FINAL)
     assert model.config.d_model == 32
