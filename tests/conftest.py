@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import re
@@ -100,30 +101,96 @@ def launch(args: list[str], nproc: int | None = None, timeout: float = 120, env:
     return run_cmd(cmd, timeout, env)
 
 
+class Ranks:
+    """A launch of tests/worker.py that stays up (nproc ranks under torchrun, or one plain process)
+    and runs one call of jobs after another: the start-up, about 5 s a launch on 2 cores, is paid
+    once per pytest process instead of once per call. A call that fails to come back in time, or
+    finds the launch gone, ends the launch; the next call starts a new one."""
+
+    def __init__(self, nproc: int | None) -> None:
+        self.nproc, self.proc, self.calls = nproc, None, 0
+
+    def start(self, deadline: float) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="ranks-"))
+        argv = [str(self.folder), str(os.getpid())]
+        script = REPO / "tests" / "worker.py"
+        cmd = torchrun_cmd(self.nproc, argv, script=script) if self.nproc else [sys.executable, str(script), *argv]
+        self.log = open(self.folder / "log.txt", "w+")  # noqa: SIM115 (kept open while the launch lives)
+        started = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=child_env(),
+                                     start_new_session=True)  # fmt: skip
+        self.calls = 0
+        self.wait_for([self.folder / f"ready.rank{r}" for r in range(self.nproc or 1)], deadline, "start")
+        self.start_seconds = time.perf_counter() - started
+
+    def wait_for(self, paths: list[Path], deadline: float, what: str) -> None:
+        while not all(p.exists() for p in paths):
+            if self.proc.poll() is not None:
+                self.fail(f"the launch ended (exit {self.proc.returncode}) during {what}")
+            if time.perf_counter() > deadline:
+                self.fail(f"timed out during {what}")
+            time.sleep(0.02)
+
+    def fail(self, why: str) -> None:
+        self.stop()
+        self.log.seek(0)
+        pytest.fail(f"{self.nproc or 1} rank(s) of tests/worker.py: {why}\n--- output\n{self.log.read()}")
+
+    def call(self, jobs: list[dict], timeout: float) -> tuple[list[dict], float]:
+        """Every rank's results of one call, and how long a launch of its own would have taken (start-up
+        included)."""
+        started = time.perf_counter()
+        if self.proc is None or self.proc.poll() is not None:
+            self.start(started + timeout)
+        number, self.calls = self.calls, self.calls + 1
+        request = self.folder / f"call{number}.json"
+        request.with_suffix(".tmp").write_text(json.dumps({"cwd": os.getcwd(), "jobs": jobs}))
+        request.with_suffix(".tmp").replace(request)
+        results = [self.folder / f"call{number}.rank{r}.json" for r in range(self.nproc or 1)]
+        self.wait_for(results, started + timeout, f"call {number}")
+        ranks = [json.loads(path.read_text()) for path in results]
+        return ranks, self.start_seconds + time.perf_counter() - started
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            (self.folder / "stop").touch()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=10)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            self.proc = None
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+RANKS: dict[int | None, Ranks] = {}  # this pytest process's launches that stay up, by number of ranks
+
+
+@atexit.register
+def stop_every_launch() -> None:
+    for ranks in RANKS.values():
+        ranks.stop()
+
+
 def run_jobs(
     jobs: dict[str, list[str]], nproc: int | None = None, timeout: float = 240, worker: Path | None = None
 ) -> dict[str, Run]:
-    """Run many command lines in one launch (tests/worker.py, or `worker`, built on it): nproc ranks
-    under torchrun, or one plain process. For tests whose subject is what a run does, not how it was started: each job
-    goes through the script's own parse_args(), run() and error report, as under main(). Returns
-    each job's Run: rank 0's exit code, every rank's in `codes`, every rank's output in rank order."""
-    folder = Path(tempfile.mkdtemp(prefix="jobs-"))
-    try:
-        (folder / "jobs.json").write_text(json.dumps([{"name": n, "args": a} for n, a in jobs.items()]))
-        argv = [str(folder / "jobs.json"), str(folder)]
-        script = worker or REPO / "tests" / "worker.py"
-        cmd = [sys.executable, str(script), *argv] if nproc is None else torchrun_cmd(nproc, argv, script=script)
-        run = run_cmd(cmd, timeout)
-        assert_ok(run)
-        ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(nproc or 1)]
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    """Run many command lines in one call of a launch that stays up (tests/worker.py): nproc ranks
+    under torchrun, or one plain process. For tests whose subject is what a run does, not how it was
+    started: each job goes through the script's own parse_args(), run() and error report, as under
+    main(), or through `worker`'s run_job (a worker with probes built on it). Returns each job's Run:
+    rank 0's exit code, every rank's in `codes`, every rank's output in rank order, and as its seconds
+    what a launch of these jobs alone would have taken, start-up included."""
+    runner = worker.stem if worker else "worker"
+    ranks, seconds = RANKS.setdefault(nproc, Ranks(nproc)).call(
+        [{"name": n, "args": a, "runner": runner} for n, a in jobs.items()], timeout
+    )
     return {
         name: Run(
             ranks[0][name]["returncode"],
             "".join(rank[name]["stdout"] for rank in ranks),
             "".join(rank[name]["stderr"] for rank in ranks),
-            run.seconds,
+            seconds,
             tuple(rank[name]["returncode"] for rank in ranks),
         )
         for name in jobs
