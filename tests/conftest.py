@@ -144,8 +144,9 @@ class Ranks:
             self.start(started + timeout)
         number, self.calls = self.calls, self.calls + 1
         request = self.folder / f"call{number}.json"
-        request.with_suffix(".tmp").write_text(json.dumps({"cwd": os.getcwd(), "jobs": jobs}))
-        request.with_suffix(".tmp").replace(request)
+        temporary = request.with_name(request.name + ".tmp")  # written whole, then renamed: never read in half
+        temporary.write_text(json.dumps({"cwd": os.getcwd(), "jobs": jobs}))
+        temporary.replace(request)
         results = [self.folder / f"call{number}.rank{r}.json" for r in range(self.nproc or 1)]
         self.wait_for(results, started + timeout, f"call {number}")
         ranks = [json.loads(path.read_text()) for path in results]

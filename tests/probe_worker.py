@@ -12,6 +12,7 @@ From a test: run_jobs_with_probes(jobs, nproc), which is conftest.run_jobs with 
 from __future__ import annotations
 
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -59,7 +60,22 @@ def clock_probe(args: list[str], d: t.Dist) -> int:
     return 0
 
 
-PROBES: dict[str, Callable[[list[str], t.Dist], int]] = {"dropout": dropout_probe, "clock": clock_probe}
+def script_probe(args: list[str], d: t.Dist) -> int:
+    """The Python file args[0], run on every rank in a namespace of its own, the ranks' default process
+    group already joined: what it prints is the job's output, an exception its failure (exit code 1)."""
+    try:
+        exec(compile(Path(args[0]).read_text(), args[0], "exec"), {"__name__": "__probe__"})
+    except Exception:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+PROBES: dict[str, Callable[[list[str], t.Dist], int]] = {
+    "dropout": dropout_probe,
+    "clock": clock_probe,
+    "script": script_probe,
+}
 
 
 def run_job(args: list[str], d: t.Dist) -> int:

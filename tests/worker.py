@@ -97,8 +97,10 @@ def next_call(folder: Path, number: int, parent: int) -> dict | None:
 
 
 def write_atomically(path: Path, text: str) -> None:
-    path.with_suffix(".tmp").write_text(text)
-    path.with_suffix(".tmp").replace(path)
+    """Written whole under another name, then renamed: a reader never sees half a file."""
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text)
+    temporary.replace(path)
 
 
 def main(folder: str, parent: str) -> None:
