@@ -104,11 +104,12 @@ def launch(args: list[str], nproc: int | None = None, timeout: float = 120, env:
 class Ranks:
     """A launch of tests/worker.py that stays up (nproc ranks under torchrun, or one plain process)
     and runs one call of jobs after another: the start-up, about 5 s a launch on 2 cores, is paid
-    once per pytest process instead of once per call. A call that fails to come back in time, or
-    finds the launch gone, ends the launch; the next call starts a new one."""
+    once per pytest process instead of once per call. Its processes get the environment `env`. A
+    call that fails to come back in time, or finds the launch gone, ends the launch; the next call
+    starts a new one."""
 
-    def __init__(self, nproc: int | None) -> None:
-        self.nproc, self.proc, self.calls = nproc, None, 0
+    def __init__(self, nproc: int | None, env: dict[str, str]) -> None:
+        self.nproc, self.env, self.proc, self.calls = nproc, env, None, 0
 
     def start(self, deadline: float) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="ranks-"))
@@ -117,7 +118,7 @@ class Ranks:
         cmd = torchrun_cmd(self.nproc, argv, script=script) if self.nproc else [sys.executable, str(script), *argv]
         self.log = open(self.folder / "log.txt", "w+")  # noqa: SIM115 (kept open while the launch lives)
         started = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=child_env(),
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True)  # fmt: skip
         self.calls = 0
         self.wait_for([self.folder / f"ready.rank{r}" for r in range(self.nproc or 1)], deadline, "start")
@@ -164,7 +165,9 @@ class Ranks:
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
-RANKS: dict[int | None, Ranks] = {}  # this pytest process's launches that stay up, by number of ranks
+# This pytest process's launches that stay up, by number of ranks and environment (a test that sets a
+# variable for its runs, such as a CPU capability, gets a launch of its own with it).
+RANKS: dict[tuple, Ranks] = {}
 
 
 @atexit.register
@@ -174,18 +177,27 @@ def stop_every_launch() -> None:
 
 
 def run_jobs(
-    jobs: dict[str, list[str]], nproc: int | None = None, timeout: float = 240, worker: Path | None = None
+    jobs: dict[str, list[str]],
+    nproc: int | None = None,
+    timeout: float = 240,
+    worker: Path | None = None,
+    fresh: bool = False,
 ) -> dict[str, Run]:
     """Run many command lines in one call of a launch that stays up (tests/worker.py): nproc ranks
-    under torchrun, or one plain process. For tests whose subject is what a run does, not how it was
-    started: each job goes through the script's own parse_args(), run() and error report, as under
-    main(), or through `worker`'s run_job (a worker with probes built on it). Returns each job's Run:
-    rank 0's exit code, every rank's in `codes`, every rank's output in rank order, and as its seconds
-    what a launch of these jobs alone would have taken, start-up included."""
-    runner = worker.stem if worker else "worker"
-    ranks, seconds = RANKS.setdefault(nproc, Ranks(nproc)).call(
-        [{"name": n, "args": a, "runner": runner} for n, a in jobs.items()], timeout
-    )
+    under torchrun, or one plain process, with the environment child_env() gives now. For tests whose
+    subject is what a run does, not how it was started: each job goes through the script's own
+    parse_args(), run() and error report, as under main(), or through `worker`'s run_job (a worker with
+    probes built on it). fresh: a launch of these jobs alone, ended after them, for jobs that read what
+    their process has held (its peak memory). Returns each job's Run: rank 0's exit code, every rank's
+    in `codes`, every rank's output in rank order, and as its seconds what a launch of these jobs alone
+    would have taken, start-up included."""
+    runner, env = worker.stem if worker else "worker", child_env()
+    up = Ranks(nproc, env) if fresh else RANKS.setdefault((nproc, *sorted(env.items())), Ranks(nproc, env))
+    try:
+        ranks, seconds = up.call([{"name": n, "args": a, "runner": runner} for n, a in jobs.items()], timeout)
+    finally:
+        if fresh:
+            up.stop()
     return {
         name: Run(
             ranks[0][name]["returncode"],
@@ -200,6 +212,42 @@ def run_jobs(
 
 def assert_ok(run: Run) -> None:
     assert run.returncode == 0, f"exit {run.returncode}\n--- stdout\n{run.stdout}\n--- stderr\n{run.stderr}"
+
+
+# The order in which pytest -n hands out the files (pyproject.toml: --dist loadfile, each file whole to one
+# pytest process for its shared launches, and --no-loadscope-reorder): the longest first, as measured on 2
+# cores, so that the last file either process starts is a short one and neither waits long for the other at
+# the end. (xdist's own order, the most tests first, left the few long end-to-end tests of the benchmarks and
+# the notebook for last.) Files not named here follow, in their usual order.
+LONGEST_FIRST = [
+    "test_token_cache_runs.py",
+    "test_sharding.py",
+    "test_token_cache.py",
+    "test_launch.py",
+    "test_benchmark_harness.py",
+    "test_parallelism.py",
+    "test_stops.py",
+    "test_chat_data.py",
+    "test_more_ranks.py",
+    "test_nproc.py",
+    "test_recovery.py",
+    "test_new_user.py",
+    "test_readme.py",
+    "test_parallelism_resume.py",
+    "test_bad_input.py",
+    "test_crashes.py",
+    "test_notebook.py",
+    "test_qwen_lora.py",
+    "test_memory_benchmark.py",
+    "test_faults.py",
+    "test_training_features.py",
+    "test_model_families.py",
+]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    place = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: place.get(item.path.name, len(place)))  # stable: a file's tests keep their order
 
 
 @pytest.fixture(autouse=True)

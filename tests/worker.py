@@ -10,11 +10,12 @@ that a pytest process runs (conftest.run_jobs keeps one such launch per number o
     torchrun --standalone --nproc-per-node=2 tests/worker.py FOLDER PARENT_PID
 
 FOLDER/call<N>.json, written by the test process, is {"cwd": ..., "jobs": [{"name", "args",
-"runner"}]}; the ranks take the calls in order N = 0, 1, ..., and each writes FOLDER/call<N>.rank<R>.json:
-{name: {"returncode", "stdout", "stderr"}} with the job's own output only. (Only what a process
-prints through sys.stdout and sys.stderr is captured; the stop machinery's raw writes are not, and
-tests of signals launch their own runs.) A job's "runner" names the module whose run_job runs it:
-this one, or one that adds probes (tests/probe_worker.py, tests/parallelism_worker.py). FOLDER/stop
+"runner"}]}; the ranks take the calls in order N = 0, 1, ..., and each writes
+FOLDER/call<N>.rank<R>.json: {name: {"returncode", "stdout", "stderr", "seconds"}}, the job's own
+output only, and its time. (Only what a process prints through sys.stdout and sys.stderr is
+captured; the stop machinery's raw writes are not, and tests of signals launch their own runs.) A
+job's "runner" names the module whose run_job runs it: this one, or one that adds probes
+(tests/probe_worker.py, tests/parallelism_worker.py, tests/sharding_api_worker.py). FOLDER/stop
 (or the test process, PARENT_PID, gone) ends the launch.
 """
 
@@ -67,10 +68,11 @@ def serve_call(call: dict, number: int, d: t.Dist) -> dict:
     for i, job in enumerate(call["jobs"]):
         # Each job meets in a store of its own: the script's meetings count arrivals under fixed keys.
         own = dataclasses.replace(d, store=dist.PrefixStore(f"call{number}_job{i}", d.store)) if d.distributed else d
-        out, err = io.StringIO(), io.StringIO()
+        out, err, started = io.StringIO(), io.StringIO(), time.perf_counter()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = runner(job["runner"])(job["args"], own)
-        results[job["name"]] = {"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+        results[job["name"]] = {"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue(),
+                                "seconds": time.perf_counter() - started}  # fmt: skip
         # The job's DDP reducer and hooks are cyclic garbage: collected now, while no collective is in
         # flight, not at a random point of a later job, where a rank once aborted ("terminate called
         # without an active exception": the hazard teardown_distributed guards against at exit).
