@@ -192,7 +192,8 @@ def run_jobs(
     in `codes`, every rank's output in rank order, and as its seconds what a launch of these jobs alone
     would have taken, start-up included."""
     runner, env = worker.stem if worker else "worker", child_env()
-    up = Ranks(nproc, env) if fresh else RANKS.setdefault((nproc, *sorted(env.items())), Ranks(nproc, env))
+    key = (nproc, *sorted((k, v) for k, v in env.items() if k != "PYTEST_CURRENT_TEST"))  # pytest's, per test
+    up = Ranks(nproc, env) if fresh else RANKS.setdefault(key, Ranks(nproc, env))
     try:
         ranks, seconds = up.call([{"name": n, "args": a, "runner": runner} for n, a in jobs.items()], timeout)
     finally:
