@@ -38,7 +38,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import llm_ddp_parallel_training as t
 
-POLL_S = 0.02  # how often an idle rank looks for the next call
+POLL_S = 0.05  # how often an idle rank looks for the next call (a launch that waits costs next to no CPU)
 
 
 def run_job(args: list[str], d: t.Dist) -> int:
