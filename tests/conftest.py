@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import re
@@ -100,30 +101,110 @@ def launch(args: list[str], nproc: int | None = None, timeout: float = 120, env:
     return run_cmd(cmd, timeout, env)
 
 
+class Ranks:
+    """A launch of tests/worker.py that stays up (nproc ranks under torchrun, or one plain process)
+    and runs one call of jobs after another: the start-up, about 5 s a launch on 2 cores, is paid
+    once per pytest process instead of once per call. Its processes get the environment `env`. A
+    call that fails to come back in time, or finds the launch gone, ends the launch; the next call
+    starts a new one."""
+
+    def __init__(self, nproc: int | None, env: dict[str, str]) -> None:
+        self.nproc, self.env, self.proc, self.calls = nproc, env, None, 0
+
+    def start(self, deadline: float) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="ranks-"))
+        argv = [str(self.folder), str(os.getpid())]
+        script = REPO / "tests" / "worker.py"
+        cmd = torchrun_cmd(self.nproc, argv, script=script) if self.nproc else [sys.executable, str(script), *argv]
+        self.log = open(self.folder / "log.txt", "w+")  # noqa: SIM115 (kept open while the launch lives)
+        started = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)  # fmt: skip
+        self.calls = 0
+        self.wait_for([self.folder / f"ready.rank{r}" for r in range(self.nproc or 1)], deadline, "start")
+        self.start_seconds = time.perf_counter() - started
+
+    def wait_for(self, paths: list[Path], deadline: float, what: str) -> None:
+        while not all(p.exists() for p in paths):
+            if self.proc.poll() is not None:
+                self.fail(f"the launch ended (exit {self.proc.returncode}) during {what}")
+            if time.perf_counter() > deadline:
+                self.fail(f"timed out during {what}")
+            time.sleep(0.02)
+
+    def fail(self, why: str) -> None:
+        self.stop()
+        self.log.seek(0)
+        pytest.fail(f"{self.nproc or 1} rank(s) of tests/worker.py: {why}\n--- output\n{self.log.read()}")
+
+    def call(self, jobs: list[dict], timeout: float) -> tuple[list[dict], float]:
+        """Every rank's results of one call, and how long a launch of its own would have taken (start-up
+        included)."""
+        started = time.perf_counter()
+        if self.proc is None or self.proc.poll() is not None:
+            self.start(started + timeout)
+        number, self.calls = self.calls, self.calls + 1
+        request = self.folder / f"call{number}.json"
+        temporary = request.with_name(request.name + ".tmp")  # written whole, then renamed: never read in half
+        temporary.write_text(json.dumps({"cwd": os.getcwd(), "jobs": jobs}))
+        temporary.replace(request)
+        results = [self.folder / f"call{number}.rank{r}.json" for r in range(self.nproc or 1)]
+        self.wait_for(results, started + timeout, f"call {number}")
+        ranks = [json.loads(path.read_text()) for path in results]
+        return ranks, self.start_seconds + time.perf_counter() - started
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            (self.folder / "stop").touch()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=10)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            self.proc = None
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+# This pytest process's launches that stay up, by number of ranks and environment (a test that sets a
+# variable for its runs, such as a CPU capability, gets a launch of its own with it).
+RANKS: dict[tuple, Ranks] = {}
+
+
+@atexit.register
+def stop_every_launch() -> None:
+    for ranks in RANKS.values():
+        ranks.stop()
+
+
 def run_jobs(
-    jobs: dict[str, list[str]], nproc: int | None = None, timeout: float = 240, worker: Path | None = None
+    jobs: dict[str, list[str]],
+    nproc: int | None = None,
+    timeout: float = 240,
+    worker: Path | None = None,
+    fresh: bool = False,
 ) -> dict[str, Run]:
-    """Run many command lines in one launch (tests/worker.py, or `worker`, built on it): nproc ranks
-    under torchrun, or one plain process. For tests whose subject is what a run does, not how it was started: each job
-    goes through the script's own parse_args(), run() and error report, as under main(). Returns
-    each job's Run: rank 0's exit code, every rank's in `codes`, every rank's output in rank order."""
-    folder = Path(tempfile.mkdtemp(prefix="jobs-"))
+    """Run many command lines in one call of a launch that stays up (tests/worker.py): nproc ranks
+    under torchrun, or one plain process, with the environment child_env() gives now. For tests whose
+    subject is what a run does, not how it was started: each job goes through the script's own
+    parse_args(), run() and error report, as under main(), or through `worker`'s run_job (a worker with
+    probes built on it). fresh: a launch of these jobs alone, ended after them, for jobs that read what
+    their process has held (its peak memory). Returns each job's Run: rank 0's exit code, every rank's
+    in `codes`, every rank's output in rank order, and as its seconds what a launch of these jobs alone
+    would have taken, start-up included."""
+    runner, env = worker.stem if worker else "worker", child_env()
+    key = (nproc, *sorted((k, v) for k, v in env.items() if k != "PYTEST_CURRENT_TEST"))  # pytest's, per test
+    up = Ranks(nproc, env) if fresh else RANKS.setdefault(key, Ranks(nproc, env))
     try:
-        (folder / "jobs.json").write_text(json.dumps([{"name": n, "args": a} for n, a in jobs.items()]))
-        argv = [str(folder / "jobs.json"), str(folder)]
-        script = worker or REPO / "tests" / "worker.py"
-        cmd = [sys.executable, str(script), *argv] if nproc is None else torchrun_cmd(nproc, argv, script=script)
-        run = run_cmd(cmd, timeout)
-        assert_ok(run)
-        ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(nproc or 1)]
+        ranks, seconds = up.call([{"name": n, "args": a, "runner": runner} for n, a in jobs.items()], timeout)
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        if fresh:
+            up.stop()
     return {
         name: Run(
             ranks[0][name]["returncode"],
             "".join(rank[name]["stdout"] for rank in ranks),
             "".join(rank[name]["stderr"] for rank in ranks),
-            run.seconds,
+            seconds,
             tuple(rank[name]["returncode"] for rank in ranks),
         )
         for name in jobs
@@ -132,6 +213,42 @@ def run_jobs(
 
 def assert_ok(run: Run) -> None:
     assert run.returncode == 0, f"exit {run.returncode}\n--- stdout\n{run.stdout}\n--- stderr\n{run.stderr}"
+
+
+# The order in which pytest -n hands out the files (pyproject.toml: --dist loadfile, each file whole to one
+# pytest process for its shared launches, and --no-loadscope-reorder): the longest first, as measured on 2
+# cores, so that the last file either process starts is a short one and neither waits long for the other at
+# the end. (xdist's own order, the most tests first, left the few long end-to-end tests of the benchmarks and
+# the notebook for last.) Files not named here follow, in their usual order.
+LONGEST_FIRST = [
+    "test_token_cache_runs.py",
+    "test_sharding.py",
+    "test_token_cache.py",
+    "test_launch.py",
+    "test_benchmark_harness.py",
+    "test_parallelism.py",
+    "test_stops.py",
+    "test_chat_data.py",
+    "test_more_ranks.py",
+    "test_nproc.py",
+    "test_recovery.py",
+    "test_new_user.py",
+    "test_readme.py",
+    "test_parallelism_resume.py",
+    "test_bad_input.py",
+    "test_crashes.py",
+    "test_notebook.py",
+    "test_qwen_lora.py",
+    "test_memory_benchmark.py",
+    "test_faults.py",
+    "test_training_features.py",
+    "test_model_families.py",
+]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    place = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: place.get(item.path.name, len(place)))  # stable: a file's tests keep their order
 
 
 @pytest.fixture(autouse=True)

@@ -1,20 +1,18 @@
-"""tests/worker.py's shared launch, with the probes of test_parallelism.py: jobs that use the
+"""tests/worker.py's jobs, with the probes of test_parallelism.py: jobs that use the
 script's tensor and pipeline parallelism from Python, or look inside a rank after a run.
 
-    torchrun --standalone --nproc-per-node=2 tests/parallelism_worker.py JOBS.json RESULTS_DIR
-
-A job whose first argument is "probe:NAME" runs PROBES[NAME] on the same ranks, with the rest of
-its command line; any other job is a command line, run as tests/worker.py runs it. Every rank of
+tests/worker.py's launch runs each job of a call from here through this module's run_job. A job
+whose first argument is "probe:NAME" runs PROBES[NAME] on the same ranks, with the rest of its
+command line; any other job is a command line, run as tests/worker.py runs it. Every rank of
 a probe prints one line "MEASURED <json>" of what it found (the test reads every rank's).
 
-From a test: run_jobs(jobs, nproc, timeout), which is conftest.run_jobs launching this file.
+From a test: run_jobs(jobs, nproc, timeout), which is conftest.run_jobs with this module's run_job.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -215,12 +213,7 @@ def probe_facts(run) -> list[dict]:
 
 
 def run_jobs(jobs: dict[str, list[str]], nproc: int | None = None, timeout: float = 240) -> dict:
-    """conftest.run_jobs, launching this file: a job may be ["probe:NAME", *args]. {name: Run}."""
+    """conftest.run_jobs, through this module's run_job: a job may be ["probe:NAME", *args]. {name: Run}."""
     import conftest
 
     return conftest.run_jobs(jobs, nproc, timeout, worker=Path(__file__))
-
-
-if __name__ == "__main__":
-    worker.run_job = run_job  # worker.main's loop runs each job through this module's run_job
-    worker.main(*sys.argv[1:])

@@ -1,19 +1,18 @@
-"""tests/worker.py's shared launch, with probes: jobs that look inside a rank where a command line cannot.
+"""tests/worker.py's jobs, with probes: jobs that look inside a rank where a command line cannot.
 
-    torchrun --standalone --nproc-per-node=2 tests/probe_worker.py JOBS.json RESULTS_DIR
+The launch, its calls and its results are tests/worker.py's, run by its own loop, which runs each
+job of a call from here through this module's run_job: a job whose first argument is "probe:NAME"
+runs PROBES[NAME] on the same ranks instead, with the rest of its command line. A probe prints what
+it found (rank 0) and returns an exit code, as a job does. A probe costs a few milliseconds; a
+launch of its own cost 5 s.
 
-The launch, its jobs file and its results are tests/worker.py's, run by its own loop; a job whose
-first argument is "probe:NAME" runs PROBES[NAME] on the same ranks instead, with the rest of its
-command line. A probe prints what it found (rank 0) and returns an exit code, as a job does. A
-probe costs a few milliseconds; a launch of its own cost 5 s.
-
-From a test: run_jobs_with_probes(jobs, nproc), which is conftest.run_jobs launching this file.
+From a test: run_jobs_with_probes(jobs, nproc), which is conftest.run_jobs with this module's run_job.
 """
 
 from __future__ import annotations
 
-import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -61,7 +60,22 @@ def clock_probe(args: list[str], d: t.Dist) -> int:
     return 0
 
 
-PROBES: dict[str, Callable[[list[str], t.Dist], int]] = {"dropout": dropout_probe, "clock": clock_probe}
+def script_probe(args: list[str], d: t.Dist) -> int:
+    """The Python file args[0], run on every rank in a namespace of its own, the ranks' default process
+    group already joined: what it prints is the job's output, an exception its failure (exit code 1)."""
+    try:
+        exec(compile(Path(args[0]).read_text(), args[0], "exec"), {"__name__": "__probe__"})
+    except Exception:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+PROBES: dict[str, Callable[[list[str], t.Dist], int]] = {
+    "dropout": dropout_probe,
+    "clock": clock_probe,
+    "script": script_probe,
+}
 
 
 def run_job(args: list[str], d: t.Dist) -> int:
@@ -71,12 +85,7 @@ def run_job(args: list[str], d: t.Dist) -> int:
 
 
 def run_jobs_with_probes(jobs: dict[str, list[str]], nproc: int | None = None, timeout: float = 240) -> dict:
-    """conftest.run_jobs, launching this file: a job may be ["probe:NAME", *args]. {name: Run}."""
+    """conftest.run_jobs, through this module's run_job: a job may be ["probe:NAME", *args]. {name: Run}."""
     from conftest import run_jobs
 
     return run_jobs(jobs, nproc, timeout, worker=Path(__file__))
-
-
-if __name__ == "__main__":
-    worker.run_job = run_job  # worker.main's loop runs each job through this module's run_job
-    worker.main(*sys.argv[1:])

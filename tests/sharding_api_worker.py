@@ -1,9 +1,9 @@
-"""The measuring half of test_sharding_api.py: torchrun starts it on 2 Gloo ranks.
+"""The measuring half of test_sharding_api.py: one job (run_job) of tests/worker.py's launch of 2 Gloo ranks.
 
 Every rank trains small models with ShardedOptimizer (ZeRO stage 1) and ManualFSDP (ZeRO stage 3)
 next to a plain reference: a copy of the same model, trained on this rank's batches with its
 gradients all-reduced and divided by the world size, stepped by a plain torch optimizer. Each
-scenario writes what it measured to OUT/rank<r>.json (argv[1]) as soon as it ends; the tests
+scenario writes what it measured to OUT/rank<r>.json (the job's argument) as soon as it ends; the tests
 assert on those facts. A scenario that raises records its traceback and the others still run;
 if one rank is left waiting in a collective, both ranks stop after 20 s instead of hanging.
 """
@@ -462,12 +462,10 @@ def both_ranks_finished(store: dist.Store, name: str) -> bool:
     return True
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    # torchrun's own key-value store (MASTER_ADDR:MASTER_PORT), under a prefix of our own.
-    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-    store = dist.PrefixStore("sharding-api-worker", client)
+def run_job(args: list[str], d: t.Dist) -> int:
+    """Every scenario, one after another, on the ranks of tests/worker.py's launch (their default
+    process group): each writes what it measured to OUT/rank<r>.json (args[0]) as soon as it ends."""
+    out = Path(args[0])
     facts: dict[str, dict] = {}
     for name, scenario in SCENARIOS.items():
         with warnings.catch_warnings(record=True) as caught:
@@ -480,11 +478,7 @@ def main() -> None:
         path = out / f"rank{rank()}.json"
         path.with_suffix(".tmp").write_text(json.dumps(facts, indent=1, default=str))
         path.with_suffix(".tmp").replace(path)
-        if not both_ranks_finished(store, name):
+        if not both_ranks_finished(d.store, name):  # the job's own store, under a prefix of its own
             print(f"rank {rank()}: another rank never finished {name!r}; stopping", file=sys.stderr, flush=True)
             os._exit(1)
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -42,9 +42,13 @@ class Shared:
         return self.runs[name].seconds - others
 
 
-def share(root: Path, jobs: dict[str, list[str]], nproc: int | None, timeout: float = 300) -> Shared:
-    """Run the jobs (command lines) in one launch: nproc ranks under torchrun, or one plain process."""
-    return Shared(run_jobs({name: [str(a) for a in args] for name, args in jobs.items()}, nproc, timeout), root)
+def share(
+    root: Path, jobs: dict[str, list[str]], nproc: int | None, timeout: float = 300, fresh: bool = False
+) -> Shared:
+    """Run the jobs (command lines) in one call of a shared launch: nproc ranks under torchrun, or one
+    plain process; fresh: in a launch of their own (conftest.run_jobs)."""
+    jobs = {name: [str(a) for a in args] for name, args in jobs.items()}
+    return Shared(run_jobs(jobs, nproc, timeout, fresh=fresh), root)
 
 
 def wall_seconds(run: Run) -> float:

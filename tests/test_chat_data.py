@@ -19,9 +19,11 @@ import pytest
 import torch
 from conftest import TINY, assert_ok, run_cmd, torchrun_cmd
 from shared_launch import Shared, error_lines, share
-from test_qwen_lora import qwen_args, saved_adapter
+from test_qwen_lora import NEEDS_PEFT, qwen_args, saved_adapter
 
 import llm_ddp_parallel_training as t
+
+pytestmark = NEEDS_PEFT  # its runs train LoRA adapters, as test_qwen_lora.py's do
 
 REPLIES = [{"role": "user", "content": "Who sums the gradients?"},
            {"role": "assistant", "content": "Every rank, in the all-reduce."},

@@ -18,7 +18,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from conftest import SCRIPT, TINY, assert_ok, child_env, launch, run_jobs
+from conftest import SCRIPT, TINY, assert_ok, child_env, run_jobs
 
 import llm_ddp_parallel_training as t
 
@@ -78,7 +78,7 @@ def lock(tmp_path_factory) -> SimpleNamespace:
             proc.kill()
             proc.wait()
     model_after_refusal = (finished / "tiny_transformer.pt").read_bytes()
-    runs["overwrite"] = launch([*TINY, "--max-steps", "3", "--overwrite", "--output-dir", str(finished)])
+    runs |= run_jobs({"overwrite": [*TINY, "--max-steps", "3", "--overwrite", "--output-dir", str(finished)]})
     return SimpleNamespace(
         held=held,
         finished=finished,

@@ -9,11 +9,11 @@ resume after a kill and the write that a file-size limit fails keep launches of 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import resource
 import subprocess
 
-import huggingface_hub
 import pytest
 import torch
 from conftest import assert_ok, child_env, run_cmd, torchrun_cmd
@@ -21,8 +21,13 @@ from shared_launch import PROMPTLY_S, Shared, error_lines, share
 
 import llm_ddp_parallel_training as t
 
-peft = pytest.importorskip("peft")
-safetensors_torch = pytest.importorskip("safetensors.torch")
+# Without peft (or safetensors) there is no adapter to train: this module and test_chat_data.py skip. Imported
+# where used, not here: importing peft takes seconds, and every pytest process collects this module.
+NEEDS_PEFT = pytest.mark.skipif(
+    importlib.util.find_spec("peft") is None or importlib.util.find_spec("safetensors") is None,
+    reason="needs peft and safetensors",
+)
+pytestmark = NEEDS_PEFT
 
 
 def qwen_args(model_dir, out_dir, *extra: str) -> list[str]:
@@ -38,8 +43,10 @@ HUB_TYPO = "Qwen/Qwen2.5-0.5B-Instructt"  # a name the Hub does not have (and th
 
 def saved_adapter(out_dir) -> tuple[dict, dict[str, torch.Tensor]]:
     folder = out_dir / "qwen_lora"
+    from safetensors.torch import load_file
+
     config = json.loads((folder / "adapter_config.json").read_text())
-    return config, safetensors_torch.load_file(folder / "adapter_model.safetensors")
+    return config, load_file(folder / "adapter_model.safetensors")
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +117,7 @@ def test_gradient_checkpointing_under_ddp_still_trains_the_adapters(two_ranks):
 
 
 def test_saved_adapter_reloads_with_the_trained_logits_and_the_base_is_untouched(tiny_qwen, tmp_path, corpus_lines):
+    import peft
     from transformers import AutoModelForCausalLM
 
     cfg = t.parse_args(qwen_args(tiny_qwen, tmp_path, "--max-steps", "4"))
@@ -137,6 +145,9 @@ def test_an_adapter_trained_on_a_relative_model_folder_loads_with_its_base_from_
 ):
     # PEFT records the base as it was loaded: here "tiny_qwen0", which from elsewhere names no folder (and
     # AutoPeftModelForCausalLM would look for it on the Hub).
+    import huggingface_hub
+    import peft
+
     monkeypatch.chdir(tiny_qwen.parent)
     cfg = t.parse_args(qwen_args(tiny_qwen.name, tmp_path / "out"))
     kit = t.build_pretrained_kit(cfg, t.setup_distributed(cfg), [t.Record(text=line) for line in corpus_lines], [])

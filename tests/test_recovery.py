@@ -2,7 +2,7 @@
 bit for bit: the final weights are identical to those of one uninterrupted run (CPU, Gloo,
 dropout 0.1), which is only true if the run continued on exactly the examples it had not seen,
 with the same optimizer state and the same dropout masks. Each kill, restart and signal is a
-launch of its own.
+launch of its own; the uninterrupted run, whose subject is not its launch, is a job of a shared one.
 """
 
 from __future__ import annotations
@@ -13,14 +13,15 @@ import shutil
 import signal
 
 import pytest
-from conftest import assert_bitwise_equal, assert_ok, launch, run_cmd, torchrun_cmd, weights
+from conftest import assert_bitwise_equal, assert_ok, launch, run_cmd, run_jobs, torchrun_cmd, weights
 from fault_helpers import RUN, signal_at_step
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
+    """The run each recovery must land on, bit for bit: a job of a shared launch of 2 ranks."""
     out = tmp_path_factory.mktemp("uninterrupted")
-    assert_ok(launch([*RUN, "--output-dir", str(out)], nproc=2))
+    assert_ok(run_jobs({"uninterrupted": [*RUN, "--output-dir", str(out)]}, nproc=2)["uninterrupted"])
     return out
 
 

@@ -19,15 +19,15 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import assert_ok, run_cmd, torchrun_cmd
+from conftest import assert_ok
+from probe_worker import run_jobs_with_probes
 
 PROBE = r'''
 import contextlib, copy, json, sys
 import torch, torch.distributed as dist
 import llm_ddp_parallel_training as t
 
-dist.init_process_group("gloo")
-d = t.Dist.from_process_group()
+d = t.Dist.from_process_group()  # the default group, which the ranks joined before running this
 torch.manual_seed(0)
 base = t.TinyTransformer(t.TinyConfig(seq_len=16, d_model=32, n_heads=2, n_layers=2))
 batches = torch.randint(0, 256, (8, 2, 17), generator=torch.Generator().manual_seed(1))  # the same on every rank
@@ -97,16 +97,15 @@ zero_step(resumed, opt2, batches[1])
 facts["zero"]["continues_bitwise"] = all(torch.equal(a, b) for a, b in zip(stepped.parameters(), resumed.parameters()))
 if d.rank == 0:
     print("FACTS " + json.dumps(facts))
-dist.destroy_process_group()
 '''
 
 
 @pytest.fixture(scope="module")
 def facts(tmp_path_factory) -> dict:
-    """One 2-rank launch of PROBE; rank 0's facts."""
+    """PROBE on 2 ranks, a job of a shared launch (tests/probe_worker.py's script probe); rank 0's facts."""
     script = tmp_path_factory.mktemp("probe") / "probe.py"
     script.write_text(PROBE)
-    run = run_cmd(torchrun_cmd(2, [], script=script), timeout=120)
+    run = run_jobs_with_probes({"probe": ["probe:script", str(script)]}, nproc=2, timeout=120)["probe"]
     assert_ok(run)
     return json.loads(run.stdout.split("FACTS ", 1)[1])
 

@@ -1,6 +1,6 @@
 """ShardedOptimizer (ZeRO stage 1) and ManualFSDP (ZeRO stage 3), held to their contract.
 
-One torchrun launch with 2 real Gloo ranks runs tests/sharding_api_worker.py. Each rank trains
+One job on 2 real Gloo ranks (conftest.run_jobs) runs tests/sharding_api_worker.py. Each rank trains
 small models with the sharded classes next to a plain reference: a copy of the same model fed
 the same batches, its gradients all-reduced and divided by the world size, stepped by a plain
 torch optimizer. The worker writes what it measured per rank to JSON; the tests below read it.
@@ -12,7 +12,7 @@ it bitwise equal to the reference (max |diff| 0 for gradients and for weights af
 and no_sync accumulation) and allow 1e-6. With param_dtype the weights are cast for the compute:
 after 3 SGD steps bf16 moved them by 6.8e-4 at most (3.0e-4 of their norm), fp16 by 1.4e-4
 (5.0e-5); we require under 1% of the norm, and more than the fp32 tolerance (the cast happened).
-The whole file takes about 11 s: one launch, every scenario.
+The whole file takes a few seconds: one job, every scenario.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import sharding_api_worker as worker
-from conftest import Run, assert_ok, run_cmd, torchrun_cmd
+from conftest import Run, assert_ok, run_jobs
 
 import llm_ddp_parallel_training as t
 
@@ -68,9 +68,9 @@ class Measured:
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> Measured:
-    """The one launch: 2 ranks run every scenario of the worker and write rank<r>.json."""
+    """The one job: 2 ranks run every scenario of the worker and write rank<r>.json."""
     out = tmp_path_factory.mktemp("sharding_api")
-    run = run_cmd(torchrun_cmd(RANKS, [str(out)], script=WORKER), timeout=150)
+    run = run_jobs({"scenarios": [str(out)]}, nproc=RANKS, timeout=150, worker=WORKER)["scenarios"]
     paths = [out / f"rank{r}.json" for r in range(RANKS)]
     return Measured(run, [json.loads(p.read_text()) if p.exists() else {} for p in paths])
 

@@ -12,7 +12,7 @@ import re
 
 import pytest
 import torch
-from conftest import TINY, assert_ok, launch
+from conftest import TINY, assert_ok, run_jobs
 from probe_worker import run_jobs_with_probes
 
 import llm_ddp_parallel_training as t
@@ -161,7 +161,8 @@ def test_manual_ddp_traces_every_bucket_it_launches(two_ranks):
 
 
 def test_one_process_traces_its_steps_with_no_all_reduce(tmp_path):
-    run = launch([*TINY, "--max-steps", "3", "--trace-steps", "2", "--output-dir", str(tmp_path)])
+    args = [*TINY, "--max-steps", "3", "--trace-steps", "2", "--output-dir", str(tmp_path)]
+    run = run_jobs({"one process": args})["one process"]  # a job of a shared launch of one plain process
     assert_ok(run)
     spans = spans_by_rank(json.loads((tmp_path / "trace.json").read_text()))
     assert list(spans) == [0]

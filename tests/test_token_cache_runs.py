@@ -86,8 +86,8 @@ def killed_builds(tiny_qwen, conversations, tmp_path_factory) -> dict[signal.Sig
 
 @pytest.fixture(scope="module")
 def one_process(killed_builds, tmp_path_factory) -> Shared:
-    """This module's plain-process runs, in two launches. Between them, each of two caches the first
-    launch built is damaged (DAMAGES), and two builds are killed midway (killed_builds); the second
+    """This module's plain-process runs, in two launches of their own. Between them, each of two caches
+    the first launch built is damaged (DAMAGES), and two builds are killed midway (killed_builds); the second
     launch runs on the damaged caches again, on the killed builds' caches, and a second time on the
     cache of the reuse test. Each launch starts with a run on 100,000 lines (--seq-len 128, then
     2,048): a process's peak memory is the most it ever held, so only a first run's is its own."""
@@ -106,7 +106,8 @@ def one_process(killed_builds, tmp_path_factory) -> Shared:
         return [*TINY, "--max-steps", "3", "--output-dir", root / name, "--cache-dir", root / "reuse_cache"]
 
     first_jobs = {"memory_128": memory_run(128), "reuse_1": reuse_run("reuse_1")}
-    first = share(root, first_jobs | {f"first_{d}": damaged_run(d, f"first_{d}") for d in DAMAGES}, nproc=None)
+    first_jobs |= {f"first_{d}": damaged_run(d, f"first_{d}") for d in DAMAGES}
+    first = share(root, first_jobs, nproc=None, fresh=True)  # fresh: the memory run's peak is its own
     for damage, (how, _) in DAMAGES.items():
         (folder,) = (root / f"{damage}_cache").iterdir()
         stream = folder / "stream.bin"
@@ -116,7 +117,7 @@ def one_process(killed_builds, tmp_path_factory) -> Shared:
     for how, killed in killed_builds.items():
         later = ["--max-steps", "1", "--val-fraction", "0.001", "--output-dir", root / how.name]
         second_jobs[f"later_{how.name}"] = [*killed.args, *later]
-    second = share(root, second_jobs, nproc=None, timeout=480)
+    second = share(root, second_jobs, nproc=None, timeout=480, fresh=True)
     return Shared(first.runs | second.runs, root)
 
 

@@ -1,16 +1,22 @@
-"""Many runs of the script in one launch, for tests whose subject is not the launch itself.
+"""Many runs of the script in launches that stay up, for tests whose subject is not the launch itself.
 
 Started by torchrun (or as one plain process), the ranks join one process group, then run each
 job's command line through the script's own parse_args() and run(), and report a failure through
 its report_failure(), exactly as main() does for one command line. Starting Python, importing
 torch and meeting costs about 5 s a launch on a 2-core machine; a tiny run costs well under one.
+So the ranks stay up: they serve one batch of jobs after another (a "call"), for every test file
+that a pytest process runs (conftest.run_jobs keeps one such launch per number of ranks).
 
-    torchrun --standalone --nproc-per-node=2 tests/worker.py JOBS.json RESULTS_DIR
+    torchrun --standalone --nproc-per-node=2 tests/worker.py FOLDER PARENT_PID
 
-JOBS.json is a list of {"name": ..., "args": [...]}; each rank writes RESULTS_DIR/rank<R>.json:
-{name: {"returncode", "stdout", "stderr"}} with the job's own output only. (Only what a process
-prints through sys.stdout and sys.stderr is captured; the stop machinery's raw writes are not,
-and tests of signals launch their own runs.)
+FOLDER/call<N>.json, written by the test process, is {"cwd": ..., "jobs": [{"name", "args",
+"runner"}]}; the ranks take the calls in order N = 0, 1, ..., and each writes
+FOLDER/call<N>.rank<R>.json: {name: {"returncode", "stdout", "stderr", "seconds"}}, the job's own
+output only, and its time. (Only what a process prints through sys.stdout and sys.stderr is
+captured; the stop machinery's raw writes are not, and tests of signals launch their own runs.) A
+job's "runner" names the module whose run_job runs it: this one, or one that adds probes
+(tests/probe_worker.py, tests/parallelism_worker.py, tests/sharding_api_worker.py). FOLDER/stop
+(or the test process, PARENT_PID, gone) ends the launch.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import importlib
 import io
 import json
 import os
@@ -30,6 +37,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import llm_ddp_parallel_training as t
+
+POLL_S = 0.05  # how often an idle rank looks for the next call (a launch that waits costs next to no CPU)
 
 
 def run_job(args: list[str], d: t.Dist) -> int:
@@ -47,28 +56,68 @@ def run_job(args: list[str], d: t.Dist) -> int:
         t.OUTPUT_LOCK.release()  # as main() does; the next job writes into another folder
 
 
-def main(jobs_file: str, results_dir: str) -> None:
-    torch.set_flush_denormal(True)  # as main() does
-    os.environ.pop("TORCHELASTIC_ERROR_FILE", None)  # a job's error is its result, not the worker's
-    jobs = json.loads(Path(jobs_file).read_text())
-    d = t.setup_distributed(t.parse_args(["--cpu", "--timeout-s", "120"]))
+def runner(name: str):
+    """The run_job of module `name`: this module's own, or that of a worker with probes."""
+    return run_job if name == "worker" else importlib.import_module(name).run_job
+
+
+def serve_call(call: dict, number: int, d: t.Dist) -> dict:
+    """Each job of one call, in order: {name: its exit code and its output on this rank}."""
+    os.chdir(call["cwd"])  # the test's folder: a relative path in a job names a file there
     results = {}
-    for i, job in enumerate(jobs):
+    for i, job in enumerate(call["jobs"]):
         # Each job meets in a store of its own: the script's meetings count arrivals under fixed keys.
-        own = dataclasses.replace(d, store=dist.PrefixStore(f"job_{i}", d.store)) if d.distributed else d
-        out, err = io.StringIO(), io.StringIO()
+        own = dataclasses.replace(d, store=dist.PrefixStore(f"call{number}_job{i}", d.store)) if d.distributed else d
+        out, err, started = io.StringIO(), io.StringIO(), time.perf_counter()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = run_job(job["args"], own)
-        results[job["name"]] = {"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+            code = runner(job["runner"])(job["args"], own)
+        results[job["name"]] = {"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue(),
+                                "seconds": time.perf_counter() - started}  # fmt: skip
         # The job's DDP reducer and hooks are cyclic garbage: collected now, while no collective is in
         # flight, not at a random point of a later job, where a rank once aborted ("terminate called
         # without an active exception": the hazard teardown_distributed guards against at exit).
         gc.collect()
         if d.distributed:
             dist.barrier()
-    Path(results_dir, f"rank{d.rank}.json").write_text(json.dumps(results))
+    return results
+
+
+def next_call(folder: Path, number: int, parent: int) -> dict | None:
+    """Wait for call <number>; None once the test process asks the launch to end, or has gone."""
+    path, checked = folder / f"call{number}.json", time.monotonic()
+    while not path.exists():
+        if (folder / "stop").exists():
+            return None
+        if time.monotonic() - checked > 1:
+            checked = time.monotonic()
+            try:
+                os.kill(parent, 0)
+            except ProcessLookupError:
+                return None
+        time.sleep(POLL_S)
+    return json.loads(path.read_text())
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Written whole under another name, then renamed: a reader never sees half a file."""
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text)
+    temporary.replace(path)
+
+
+def main(folder: str, parent: str) -> None:
+    torch.set_flush_denormal(True)  # as main() does
+    os.environ.pop("TORCHELASTIC_ERROR_FILE", None)  # a job's error is its result, not the worker's
+    folder = Path(folder)
+    d = t.setup_distributed(t.parse_args(["--cpu", "--timeout-s", "120"]))
+    write_atomically(folder / f"ready.rank{d.rank}", "")
+    number = 0
+    while (call := next_call(folder, number, int(parent))) is not None:
+        write_atomically(folder / f"call{number}.rank{d.rank}.json", json.dumps(serve_call(call, number, d)))
+        number += 1
     t.teardown_distributed()
 
 
 if __name__ == "__main__":
+    sys.modules.setdefault("worker", sys.modules["__main__"])  # the probe workers' `import worker`: this one
     main(*sys.argv[1:])
