@@ -1258,6 +1258,10 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def kept(t: torch.Tensor, keep: bool) -> torch.Tensor | None:
+    return t.cpu() if keep else None  # gathered whole: to rank 0's CPU, dropped on the ranks that send nothing
+
+
 def whole_state_dict(model: Layout, d: Dist, raw: nn.Module) -> dict | None:
     """raw.state_dict() whole on rank 0, on its CPU, for the final save, from any layout (a collective);
     None where rank 0's own model is whole. Each tensor is gathered, and dropped where it is not sent."""
@@ -1267,8 +1271,7 @@ def whole_state_dict(model: Layout, d: Dist, raw: nn.Module) -> dict | None:
     named = raw.state_dict(keep_vars=True)
     for name, t in named.items():
         if id(t) not in whole:  # tied weights are one tensor: gathered once, saved as one
-            gathered = model.whole_tensor(name, t, t.detach())
-            whole[id(t)] = gathered.cpu() if keep else None
+            whole[id(t)] = kept(model.whole_tensor(name, t, t.detach()), keep)
     stages = model.join_stages(d, {name: whole[id(t)] for name, t in named.items()})
     return {name: t for stage in stages for name, t in stage.items()} if d.is_main else None
 
@@ -4802,10 +4805,6 @@ def rank0_state(model: Layout, d: Dist, named_params: list, optimizer: torch.opt
     index = {n: i for i, n in enumerate(weights)}  # the whole model's order, which is the stages' order
     moments = {index[n]: s for _, stage_moments in stages for n, s in stage_moments.items()}
     return weights, {"state": moments, "param_groups": [{**state["param_groups"][0], "params": list(index.values())}]}
-
-
-def kept(t: torch.Tensor, keep: bool) -> torch.Tensor | None:
-    return t.cpu() if keep else None  # gathered whole: to rank 0's CPU, dropped on the ranks that send nothing
 
 
 def whole_optimizer_state(d: Dist, optimizer: torch.optim.Optimizer, named_params: list,
