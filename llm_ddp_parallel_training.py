@@ -127,10 +127,8 @@ CALLBACK_WRAPPER = "Got the following error when running the callback: RuntimeEr
 
 
 def flag(default: object, help: str, group: str | None = None, **reading: object) -> Any:
-    """A setting and its command-line flag, declared once: its default, its --help line, the --help
-    group it opens (the fields after it belong to that group until another opens one), and how
-    argparse reads it (type, choices, metavar, action; `within`, a range of numbers; a type named in words,
-    such as "layer names"). build_arg_parser builds the parser from these, naming nothing of its own here."""
+    """A setting and its flag, declared once: default, --help line, the --help group it opens, and how argparse
+    reads it (type, choices, metavar, action; `within`, a range; a type named in words, as "layer names")."""
     return field(default=default, metadata={"help": help, "group": group, **reading})
 
 
@@ -158,9 +156,8 @@ TINY_GROUP = "tiny model"
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Every setting of one run, fixed for its whole life and the same on every rank. Each field is
-    a flag (--seq-len for seq_len); parse_args fills them from the command line. A
-    default of None is decided once the rest is known, as its help says."""
+    """Every setting of one run, the same on every rank; each field is a flag (--seq-len for seq_len).
+    A default of None is decided once the rest is known (settle_defaults), as its help says."""
 
     model: str = flag("tiny", "tiny: a byte-level Transformer from scratch; hf: a pretrained causal LM from the "
                       "Hugging Face Hub or a local folder (--model-name-or-path), LoRA or full fine-tuning; qwen: the "
@@ -416,10 +413,8 @@ def choose_backend_and_device(cfg: RunConfig, local_rank: int, local_world: int)
 
 
 def setup_distributed(cfg: RunConfig, meet: Callable[[timedelta], tuple] = lambda timeout: (None, None)) -> Dist:
-    """Read the rank facts torchrun exported and join the process group (or stay single). `meet`
-    gives the key-value store the ranks meet in, and the launch they belong to: by default (None,
-    None), init_process_group builds its own store from MASTER_ADDR and MASTER_PORT (the full
-    script's rendezvous_store takes the one torchrun's agent hosts)."""
+    """Read the rank facts torchrun exported and join the process group (or stay single). `meet` gives
+    the store the ranks meet in and their launch; (None, None): one built from MASTER_ADDR/PORT."""
     if not launched_by_torchrun():
         use_cuda = torch.cuda.is_available() and not cfg.cpu
         device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
@@ -433,9 +428,7 @@ def setup_distributed(cfg: RunConfig, meet: Callable[[timedelta], tuple] = lambd
         print(f"[connect] not started by torchrun: waiting up to {cfg.timeout_s:g} s for {world} ranks at {where}")
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before any CUDA work, so rank r never touches GPU 0
-    # The timeout bounds every collective, so a rank that stops answering fails the job
-    # instead of hanging it.
-    timeout = timedelta(seconds=cfg.timeout_s)
+    timeout = timedelta(seconds=cfg.timeout_s)  # bounds every collective: a silent rank fails the job, not hangs it
     try:
         agent_store, launch = meet(timeout)
         dist.init_process_group(
@@ -481,11 +474,8 @@ def teardown_distributed() -> None:
 
 
 def all_reduce_sum(d: Dist, values: list[float]) -> list[float]:
-    """Sum a few host numbers over all ranks (a collective: every rank must call it).
-
-    They travel on the CPU, through Gloo (d.control): under NCCL they would have to be copied
-    to the GPU and read back, and that read waits for all the GPU work queued before it.
-    """
+    """Sum a few host numbers over all ranks, on the CPU through Gloo (d.control): under NCCL a read
+    back from the GPU would wait for all the GPU work queued before it."""
     if not d.distributed:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64)
@@ -499,13 +489,8 @@ def all_reduce_sum(d: Dist, values: list[float]) -> list[float]:
 
 
 def held_out(n: int, val_fraction: float, seed: int) -> np.ndarray:
-    """Hold out a fraction of the n lines (or records) for validation: the same ones on every rank.
-    Returns which are held out (bool, one per line); the rest train.
-
-    The split comes from a generator seeded by --seed alone (not by the rank), so all ranks
-    agree on it without talking; a rank-dependent split would leak held-out lines into
-    another rank's training data.
-    """
+    """Which of n lines (or records) are held out for validation (bool each). Seeded by --seed alone, not
+    the rank: every rank agrees without talking, and no held-out line leaks into another rank's training."""
     n_val = max(1, round(n * val_fraction)) if val_fraction else 0
     if n_val >= n:
         raise UsageError(
@@ -520,10 +505,8 @@ def held_out(n: int, val_fraction: float, seed: int) -> np.ndarray:
 
 
 def trim_padding(batch: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
-    """Stack a batch (inputs, targets[, positions]), then cut the columns after its last target:
-    a batch is padded only as far as its longest example needs. Padding sits on the right, and
-    causal attention never lets a real position look right, so the cut changes no output that
-    counts; it only saves compute."""
+    """Stack a batch (inputs, targets[, positions]) and cut the columns after its last target: padding
+    sits on the right, where causal attention never looks, so the cut only saves compute."""
     columns = [torch.stack(column) for column in zip(*batch, strict=True)]
     used = (columns[1] != IGNORE_INDEX).any(dim=0).nonzero()
     width = int(used.max()) + 1 if len(used) else columns[1].shape[1]
@@ -620,11 +603,8 @@ class Pieces:
 
 
 class Rows(Dataset):
-    """Training examples made one row at a time, when a batch asks for it, from flat arrays of
-    tokens (read from the token cache, build_cache, as batches ask): nothing is ever held padded to
-    seq_len, so memory does not grow with seq_len x examples. Row i is (inputs, targets[,
-    positions]), each of seq_len tokens; trim_padding then cuts the batch to its longest row. The
-    byte model's rows are ShiftingWindows and ByteWindows, a pretrained model's TokenRows."""
+    """Examples made a row at a time, as a batch asks, from flat token arrays: nothing is held padded.
+    Row i is (inputs, targets[, positions]) of seq_len tokens (ShiftingWindows, ByteWindows, TokenRows)."""
 
     def set_epoch(self, epoch: int) -> None:
         """Fixed rows: only the sampler's order changes between epochs."""
@@ -641,11 +621,8 @@ class Rows(Dataset):
 
 
 class ShiftingWindows(Rows):
-    """Packed training data: one byte stream, cut into seq_len windows (every one full: no compute
-    goes to padding) at an offset that moves every epoch, drawn from --seed and the epoch: the same
-    on every rank, and again on resume. A cut that never moved would put each byte at the same
-    position of the same window in every epoch, and a small model then memorizes "this byte at that
-    position" instead of the text, and fails on the same text anywhere else (as when sampling)."""
+    """Packed training data: one byte stream cut into full seq_len windows, at an offset drawn from --seed
+    and the epoch. A cut that never moved lets a small model memorize "this byte at that position"."""
 
     def __init__(self, corpus: Lines, seq_len: int, seed: int) -> None:
         self.stream, self.seq_len, self.seed, self.offset = Pieces(corpus), seq_len, seed, 0
@@ -671,10 +648,8 @@ class ShiftingWindows(Rows):
 
 
 class ByteWindows(Rows):
-    """Fixed byte examples: each span of the stream cut into windows of seq_len targets that
-    overlap by one byte, so every byte is a target exactly once; only a span's last window is
-    padded. Spans are the chosen lines, each framed by its newlines (one line per example), or
-    the chosen lines laid end to end as one span (packed, as the held-out set is)."""
+    """Fixed byte examples: each span (a line, or all chosen lines end to end when packed) cut into windows
+    of seq_len targets overlapping by one byte, so every byte is a target once; a span's last is padded."""
 
     def __init__(self, corpus: Lines, seq_len: int, pack: bool) -> None:
         self.stream, self.seq_len = Pieces(corpus), seq_len
@@ -711,18 +686,14 @@ class ByteWindows(Rows):
 
 
 def encode_lines_as_bytes(lines: list[str], seq_len: int, pack: bool) -> ByteWindows:
-    """Byte-level examples (ByteWindows) of lines, each framed by newlines: b"\n" + line + b"\n".
-    The opening newline is the "start of line" the first byte is predicted from; the closing one
-    teaches the model where a line ends (and where sampling stops). pack=False: one line an example,
-    so real token counts differ between examples, ranks and micro-steps, which is what makes the
-    choice of loss normalization matter (see loss_scale)."""
+    """Byte examples of lines, each framed by newlines: the first byte is predicted from "start of line",
+    and the closing newline teaches where a line ends (and where sampling stops)."""
     return ByteWindows(Lines.from_texts(lines), seq_len, pack)
 
 
 class LeanDistributedSampler(DistributedSampler):
-    """DistributedSampler's order exactly, whatever its arguments (the same permutation or none, the same
-    padding or trimming, the same slice per rank), handed out from a tensor instead of a Python list of
-    every index: the 7.8 M windows of a 1 GB corpus made that list 320 MB on every rank."""
+    """DistributedSampler's order exactly, handed out from a tensor instead of a Python list of every
+    index: the 7.8 M windows of a 1 GB corpus made that list 320 MB on every rank."""
 
     def __iter__(self) -> Iterator[int]:
         n, seeded = len(self.dataset), torch.Generator().manual_seed(self.seed + self.epoch)
@@ -736,12 +707,9 @@ class LeanDistributedSampler(DistributedSampler):
 def make_train_loader(
     dataset: Dataset, cfg: RunConfig, d: Dist, collate: Callable[[list], tuple] = trim_padding
 ) -> tuple[DataLoader, DistributedSampler]:
-    # Every rank builds the same permutation (same seed, same epoch) and keeps every
-    # world_size-th index starting at its rank: disjoint shards that together cover the data.
-    # drop_last trims the permutation to a multiple of world_size instead of padding it with
-    # repeats, so no example is trained twice in an epoch.
-    # (Under model splitting the ranks of one replica, its tensor slices and pipeline stages, all read
-    # the replica's shard: the data is split across replicas, not across ranks.)
+    # Every rank builds the same permutation (seed, epoch) and keeps every dp-th index from its own:
+    # disjoint shards covering the data; drop_last trims instead of repeating examples. A split model's
+    # ranks (tensor slices, pipeline stages) all read their replica's shard.
     sampler = LeanDistributedSampler(dataset, num_replicas=d.dp, rank=d.dp_rank, shuffle=True, seed=cfg.seed,
                                      drop_last=True)  # fmt: skip
     per_step = cfg.batch_size * cfg.grad_accum_steps
@@ -758,27 +726,20 @@ def make_train_loader(
         drop_last=True,  # equal batch counts on every rank, so no rank waits in an all-reduce alone
         collate_fn=collate,
         pin_memory=d.device.type == "cuda",
-        # Each iter(loader) draws a seed for its workers. From the global RNG, that draw would
-        # shift the dropout stream, and a resumed run (which starts its epoch's iterator where
-        # an uninterrupted one did not) would drop different units: resume would not be exact.
+        # Each iter(loader) draws a worker seed: from the global RNG it would shift the dropout stream,
+        # and a resumed run (a new iterator mid-epoch) would drop different units.
         generator=torch.Generator().manual_seed(cfg.seed),
     )
     return loader, sampler
 
 
 def steps_from(loader: DataLoader, sampler: DistributedSampler, k: int, start_step: int) -> Iterator[list]:
-    """Yield each optimizer step's k micro-batches, across epochs, starting at `start_step`.
-
-    An epoch is len(loader) // k steps (a leftover of fewer than k batches is dropped), so a
-    step number alone says where the run is: epoch = step // steps_per_epoch. A resumed run
-    rebuilds the same epoch permutation and skips the batches it has already trained on.
-    """
+    """Yield each optimizer step's k micro-batches, across epochs, from `start_step`: an epoch is
+    len(loader) // k steps, so a step number alone says where a resumed run starts."""
     steps_per_epoch = len(loader) // k
     epoch, skip = divmod(start_step, steps_per_epoch)
     while True:
-        # Without set_epoch every epoch would replay epoch 0's order. The epoch number must
-        # be the same on all ranks, or their shards would overlap.
-        sampler.set_epoch(epoch)
+        sampler.set_epoch(epoch)  # else every epoch replays epoch 0's order
         loader.dataset.set_epoch(epoch)
         batches = iter(loader)
         for _ in range(skip * k):
@@ -926,11 +887,7 @@ def build_tiny_kit(cfg: RunConfig, d: Dist, lines: Lines, val_lines: Lines | Non
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    """Write to a temp file in the same folder, fsync, then rename over the target.
-
-    A rename within one file system is atomic: readers see the old file or the new one,
-    never half of one, even if the process dies mid-write.
-    """
+    """Write a temp file beside it, fsync, rename over: readers see the old file or the new, never half."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -966,12 +923,9 @@ def wrap_data_parallel(model: nn.Module, cfg: RunConfig, d: Dist, stats: CommSta
         device_ids=[d.device.index] if d.device.type == "cuda" else None,
         bucket_cap_mb=cfg.bucket_mb,
         find_unused_parameters=True,  # one bucket layout for the whole run, ManualDDP's: see TorchDDP
-        # After the first backward .grad *is* a view into its bucket: backward accumulates into
-        # the bucket and the averaged result needs no copy back out. (This holds only while the
-        # .grad tensors live on: the loop zeroes them in place rather than setting them to None.)
+        # .grad is a view into its bucket: no copy back out (while the loop zeroes .grad, never sets None)
         gradient_as_bucket_view=True,
-        # Buffers never change here (Qwen's rotary frequencies are fixed), so there is nothing
-        # to re-send from rank 0 before every forward (torch 2.13 renamed the switch).
+        # Buffers never change here (rotary frequencies are fixed): nothing to re-send (renamed in torch 2.13)
         **{"forward_sync_buffers" if "forward_sync_buffers" in DDP_TAKES else "broadcast_buffers": False},
     )
     ddp.register_comm_hook(stats, counting_allreduce_hook)
@@ -980,13 +934,8 @@ def wrap_data_parallel(model: nn.Module, cfg: RunConfig, d: Dist, stats: CommSta
 
 
 def counting_allreduce_hook(stats, bucket):  # no annotations: DDP checks them, and rejects strings
-    """torch DDP's own all-reduce (divide by world size, then sum), after writing down the bucket.
-
-    With compression, torch's bf16 hook: the bucket travels as bf16 (2 bytes a number instead of
-    4) and is widened back to fp32 on arrival. bf16 keeps 8 bits of mantissa: every rank's
-    gradient is rounded by up to 2^-9 of itself before the sum, so the averaged gradient is off by
-    up to about 2^-9 of the *sum of their magnitudes* (more than 2^-9 of itself where they cancel).
-    """
+    """torch DDP's own all-reduce, after writing the bucket down; with compression, torch's bf16 hook
+    (each gradient rounded by up to 2^-9 of itself before the sum: docs/gradients.md)."""
     buffer = bucket.buffer()
     wire_bytes = buffer.numel() * (2 if stats.compress else buffer.element_size())
     stats.record(bucket.index(), wire_bytes, bucket.parameters(), bucket.gradients())
@@ -1000,19 +949,16 @@ def counting_allreduce_hook(stats, bucket):  # no annotations: DDP checks them, 
 
 
 class Layout:
-    """How a wrapper lays the model out over the ranks, and what it answers for the rest of the script,
-    which never asks what kind of model it holds: here, as every rank holding all the weights answers
-    (one process, DDP, ZeRO-1's weights), or its slice of them under tensor parallelism (`split`:
-    TensorParallel). The sharded wrappers (ManualFSDP, TorchFSDP) and the Pipeline answer otherwise."""
+    """How a wrapper lays the model out over the ranks, answered for the rest of the script: here as every
+    rank holding all the weights (or its TensorParallel slice); FSDP and the Pipeline answer otherwise."""
 
     gathers_in_forward = False  # a forward is a collective every rank must join (FSDP)
     all_reduces_buckets = True  # gradients travel in DDP's buckets (not FSDP's, nor a split model's alone)
     split: ModelSplit  # how the model is split across the ranks of one replica (split_model)
 
     def forward_backward(self, micro_batches: list[tuple], scales: list[float], micro: MicroStep) -> torch.Tensor:
-        """The step's micro-batches through forward and backward; returns their loss, summed. The
-        first k-1 run inside no_sync(): gradients accumulate in .grad with no communication; the
-        last one's backward all-reduces the sum, bucket by bucket, while backward still runs."""
+        """The step's micro-batches through forward and backward, the first k-1 inside no_sync() (no
+        communication); the last one's backward all-reduces the sum, bucket by bucket. Returns the loss sum."""
         loss_sum = torch.zeros((), device=micro.device)
         for i, batch in enumerate(micro_batches):
             with self.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
@@ -1029,8 +975,7 @@ class Layout:
         return kit.loss(kit.trained, *batch)
 
     def clip_gradients(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-        """The norm of the whole synchronised gradient, identical on every rank (global_grad_norm); clipped
-        to max_norm when set. Identical norms clip identically: the replicas stay identical."""
+        """The whole gradient's norm, identical on every rank, so all clip alike to max_norm (when set)."""
         norm = global_grad_norm(*self.norm_parts(params))
         if max_norm:  # on the device, no wait for it; each rank scales what it holds (a DTensor's local part)
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
@@ -1038,8 +983,7 @@ class Layout:
         return norm
 
     def norm_parts(self, params: list[nn.Parameter]) -> tuple[list, list, dist.ProcessGroup | None]:
-        """The gradient as this rank holds it, for global_grad_norm: (its own parts, the parts every rank
-        holds alike, the group over which the own parts add up)."""
+        """For global_grad_norm: (this rank's own parts, the parts every rank holds alike, the own parts' group)."""
         return self.split.norm_parts(params)
 
     # What the rest of the script asks of every layout to save, load and check the whole model's state
@@ -1050,8 +994,7 @@ class Layout:
         return self.split.holds_all
 
     def whole_tensor(self, name: str, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """The whole of t, a tensor cut as parameter `name` (p) is cut: p itself, or its Adam moment;
-        a collective where it is cut, every rank receiving the whole. A 0-d one (Adam's step) is never cut."""
+        """The whole of t (p, or its Adam moment), cut as parameter `name` is: a collective where it is cut."""
         return self.split.whole(name, t) if t.dim() else t
 
     def tensor_part(self, name: str, p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
@@ -1066,15 +1009,9 @@ class Layout:
         """Every stage's `mine` on rank 0 (None elsewhere): here one stage holds the whole model."""
         return [mine] if d.is_main else None
 
-    def replicated(self, named_params: list, optimizer: torch.optim.Optimizer | None = None) -> list:
-        """(name, tensor) that every rank must hold bit for bit (--verify-sync): the averaged gradients,
-        or, given the optimizer, the weights and its state (a ZeRO-1 rank holds its own share only).
-        Under tensor parallelism only what no rank holds a slice of: the rest differs by design."""
-        alike = [(n, p) for n, p in named_params if not self.split.sliced(n)]
-        if optimizer is None:
-            return [(f"grad of {n}", p.grad) for n, p in alike if p.grad is not None]
-        state = [] if holds_a_share(optimizer) else optimizer_state_tensors(alike, optimizer)
-        return [(n, p.detach()) for n, p in alike] + [(what, t) for what, _, _, t in state]
+    def held_alike(self, name: str, p: nn.Parameter) -> bool:
+        """Whether every rank holds parameter `name` (p) bit for bit: not a tensor-parallel slice."""
+        return not self.split.sliced(name)
 
     def ownership(self, named_params: list, optimizer: torch.optim.Optimizer) -> list[str]:
         """What this rank alone keeps (--inspect): under ZeRO-1, whose optimizer state."""
@@ -1113,12 +1050,9 @@ class Wrapper(Layout, nn.Module):
 
 
 class TorchDDP(DDP, Layout):
-    """torch's DistributedDataParallel, answering as every replicated model does, in one layout.
-    Left alone, torch 2.13's reducer sends step 1 as one bucket in registration order, then rebuilds
-    it in the order gradients arrived. At 3+ ranks Gloo's ring adds each number in an order set by
-    its place in the buffer: a rebuild, or a DDP built afresh on resume, changes the last bits.
-    Looking for unused parameters, the reducer never rebuilds and buckets as ManualDDP plans, for a
-    walk of the autograd graph and a small all-reduce of a used-parameter map a step."""
+    """torch's DistributedDataParallel, in one bucket layout for the whole run: left alone, the reducer
+    rebuilds its buckets after step 1, and at 3+ ranks Gloo's ring then adds in another order (and a
+    resumed run in yet another). Looking for unused parameters, it never rebuilds and buckets as ManualDDP."""
 
     split: ModelSplit | None = None  # set by wrap_data_parallel
     searched = False  # has a synced forward looked for unused parameters yet
@@ -1133,9 +1067,8 @@ class TorchDDP(DDP, Layout):
 
 @contextlib.contextmanager
 def without_stderr_lines(text: str) -> Iterator[None]:
-    """Run the block with file descriptor 2 caught (C++ writes there, past Python's warnings
-    filters), then write back every line but those holding text. Kept to blocks that run no model
-    code: a crash inside would take what they printed with it."""
+    """Run the block with file descriptor 2 caught (C++ writes there, past Python's warnings filters), then
+    write back every line but those holding text. Only around code that cannot crash: its lines would go."""
     sys.stderr.flush()
     try:
         caught = tempfile.TemporaryFile()  # noqa: SIM115 (closed by the with below)
@@ -1277,13 +1210,8 @@ def whole_state_dict(model: Layout, d: Dist, raw: nn.Module) -> dict | None:
 
 
 class CommStats:
-    """Counts what the gradient all-reduce sends, and (for --inspect) keeps the local gradients.
-
-    Both wrappers report every bucket they launch here: torch's DDP through a comm hook, the
-    manual one directly. Counting per optimizer step shows that accumulation's k-1 silent
-    micro-steps send nothing. The from-scratch FSDP, tensor and pipeline parallelism (ManualFSDP,
-    TensorParallel, Pipeline) report their collectives here too, by kind, for the summary and the timeline.
-    """
+    """Counts every collective the wrappers start, by kind and per optimizer step (accumulation's k-1 silent
+    micro-steps send nothing), and for --inspect keeps the local gradients."""
 
     def __init__(self, model: nn.Module, compress: bool) -> None:
         self.model = model
@@ -1364,9 +1292,8 @@ def loss_scale(cfg: RunConfig, d: Dist, micro_tokens: int, global_tokens: float)
 
 
 def global_grad_norm(own: list[torch.Tensor], alike: list[torch.Tensor], group: object) -> torch.Tensor:
-    """The 2-norm of the whole gradient, the same on every rank, from the parts this rank holds: the squares
-    of its own parts (slices, shards, stages) summed over the group, those every rank holds alike once.
-    One function for every layout (Layout.norm_parts says which parts are which)."""
+    """The whole gradient's 2-norm, the same on every rank, for every layout: the squares of this rank's own
+    parts (slices, shards, stages) summed over the group, plus those every rank holds alike (norm_parts)."""
     device = next((g.device for g in [*own, *alike]), torch.device("cpu"))
     squares = [sum((torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in part),
                    torch.zeros((), device=device)) for part in (own, alike)]  # fmt: skip
@@ -1377,9 +1304,8 @@ def global_grad_norm(own: list[torch.Tensor], alike: list[torch.Tensor], group: 
 
 @dataclass
 class MicroStep:
-    """One micro-batch's forward and backward, as every layout runs them (forward_backward): the loss
-    as the model kit computes it, under the hooks' autocast, backward through fp16's GradScaler when
-    there is one, each phase marked for the timers (Hooks.mark)."""
+    """One micro-batch's forward and backward, as every layout runs them: the kit's loss under the hooks'
+    autocast, backward through fp16's GradScaler when there is one."""
 
     kit: ModelKit
     hooks: Hooks
@@ -1397,10 +1323,8 @@ class MicroStep:
 
 
 class Hooks:
-    """What train() does besides the DDP steps, called at fixed points of every step. This default does
-    nothing: the core alone trains in fp32 and says nothing. The full script fills it (SideWork): resume,
-    the run's header, progress and metrics, evaluation, checkpoints, faults on purpose, stop requests,
-    the timeline, --inspect and --verify-sync."""
+    """What train() does besides the DDP steps, at fixed points of every step. This default does nothing;
+    the full script's SideWork fills it (resume, progress, evaluation, checkpoints, faults, stops, checks)."""
 
     scaler: torch.amp.GradScaler | None = None  # fp16's loss scaling: small gradients would underflow
 
@@ -1456,11 +1380,8 @@ class Hooks:
 
 
 def lr_at(cfg: RunConfig, step: int) -> float:
-    """Linear warmup from 0 to --lr over the warmup steps, then cosine decay to --min-lr at the
-    last step. Without warmup, step 1 trains at the full --lr.
-
-    A pure function of the step, identical on every rank, so it needs no saved state.
-    """
+    """Linear warmup from 0 to --lr, then cosine decay to --min-lr at the last step: a pure function of
+    the step, identical on every rank, so it needs no saved state."""
     warmup = warmup_steps(cfg)
     if step <= warmup:
         return cfg.lr * step / warmup
@@ -1473,9 +1394,8 @@ WARMUP_SHARE = 0.1  # of the run, when --warmup-steps would take more than half 
 
 
 def warmup_steps(cfg: RunConfig) -> int:
-    """--warmup-steps, unless that is more than half the run: a run that is (nearly) all warmup
-    ends at the peak rate and never decays, as a short --epochs run would with the default 20.
-    Then a tenth of the run (at least one step)."""
+    """--warmup-steps, or a tenth of the run (at least one step) where that is more than half of it: a
+    run that is nearly all warmup would end at the peak rate, never decaying."""
     if cfg.warmup_steps * 2 <= cfg.max_steps:
         return cfg.warmup_steps
     return max(1, int(cfg.max_steps * WARMUP_SHARE))
@@ -1483,12 +1403,10 @@ def warmup_steps(cfg: RunConfig) -> int:
 
 def make_optimizer(cfg: RunConfig, d: Dist, params: list[nn.Parameter], stats: CommStats) -> torch.optim.Optimizer:
     if cfg.optimizer == "sgd":
-        # Plain SGD moves weights by exactly lr x gradient: a gradient off by a factor shows at
-        # once, which is why the equivalence tests use it. (Adam divides the factor back out.)
+        # Plain SGD moves weights by exactly lr x gradient: a gradient off by a factor shows at once.
         kind, options = torch.optim.SGD, {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
-    else:  # fused: one kernel updates every tensor (on CPU 5x faster than the per-tensor loop here);
-        # not under tensor parallelism, whose torch slices are DTensors beside plain whole tensors, which
-        # one fused call cannot mix: the per-tensor loop, for both kinds, so that they stay equal.
+    else:  # fused: one kernel for every tensor (5x faster on CPU); not under tensor parallelism, whose
+        # DTensor slices beside whole tensors one fused call cannot mix (both kinds loop, to stay equal)
         kind, options = torch.optim.AdamW, {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
         options |= {"fused": True} if d.tp == 1 else {"fused": False, "foreach": False}
     if cfg.sharding == "optimizer" and d.distributed:
@@ -1504,8 +1422,7 @@ def make_optimizer(cfg: RunConfig, d: Dist, params: list[nn.Parameter], stats: C
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
-    """The update, the same on every rank (the gradients are); fp16's scaler skips a step whose
-    gradient overflowed and lowers its scale."""
+    """The update, the same on every rank; fp16's scaler skips a step whose gradient overflowed."""
     if scaler:
         scaler.step(optimizer)
         scaler.update()
@@ -1524,9 +1441,8 @@ class Progress:
 
 
 def train(cfg: RunConfig, d: Dist, kit: ModelKit, hooks: Hooks | None = None) -> tuple[Layout, Progress]:
-    """The loop: each rank's slice, one small all-reduce before backward, k-1 micro-steps in no_sync,
-    backward (the bucket all-reduces), finish_gradient_sync, clip, step; the side work at fixed
-    points, through `hooks`. Returns the model as trained (wrapped, sharded or split) and where it got."""
+    """The loop for every model and layout; side work at fixed points, through `hooks`. Returns the model
+    as trained (wrapped, sharded or split) and where it got."""
     hooks = hooks or Hooks()
     loader, sampler = make_train_loader(kit.train, cfg, d, kit.collate)
     stats = CommStats(kit.model, compress=cfg.grad_compression == "bf16")
@@ -1980,13 +1896,8 @@ class ManualFSDP(Wrapper):
         """This rank's piece of a whole tensor shaped like p (to load a checkpoint into shards)."""
         return self._cut(whole.to(self.shard[p].device)) if p in self.shard and whole.dim() else whole
 
-    def replicated(self, named_params: list, optimizer: torch.optim.Optimizer | None = None) -> list:
-        """Only the replicated parameters' gradients are alike on every rank; the weights and the
-        optimizer state are gathered whole (a collective): equal everywhere unless the gather itself
-        is broken, which is all this can check here, as no rank holds a copy of another's shard."""
-        if optimizer is None:
-            return [(f"grad of {n}", p.grad) for n, p in named_params if p.grad is not None and p not in self.shard]
-        return gathered_state(self, named_params, optimizer)
+    def held_alike(self, name: str, p: nn.Parameter) -> bool:
+        return p not in self.shard  # outside every unit: whole and averaged on every rank
 
     def ownership(self, named_params: list, optimizer: torch.optim.Optimizer) -> list[str]:
         lines = []
@@ -1998,12 +1909,6 @@ class ManualFSDP(Wrapper):
             *lines,
             f"... and so on for all {len(named_params)} trained tensors: weights, gradients, optimizer state",
         ]
-
-
-def gathered_state(model: Layout, named_params: list, optimizer: torch.optim.Optimizer) -> list:
-    """Every weight and optimizer tensor gathered whole (a collective), for --verify-sync under FSDP."""
-    state = [(what, model.whole_tensor(n, p, t)) for what, n, p, t in optimizer_state_tensors(named_params, optimizer)]
-    return [(n, model.whole_tensor(n, p, p.detach())) for n, p in named_params] + state
 
 
 class _AfterBackward(torch.autograd.Function):
@@ -2076,10 +1981,8 @@ class TorchFSDP(Wrapper):
         whole = self.split.to_rank_order(name, whole).to(p.device)
         return distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)
 
-    def replicated(self, named_params: list, optimizer: torch.optim.Optimizer | None = None) -> list:
-        """No gradient is replicated: each rank holds its rows. The weights and the optimizer state
-        gathered whole (a collective) are equal everywhere unless the gather itself is broken."""
-        return [] if optimizer is None else gathered_state(self, named_params, optimizer)
+    def held_alike(self, name: str, p: nn.Parameter) -> bool:
+        return False  # each rank holds its rows of every parameter
 
     def ownership(self, named_params: list, optimizer: torch.optim.Optimizer) -> list[str]:
         lines = []
@@ -2418,8 +2321,8 @@ class PipelineState:
         dist.gather_object(mine, stages, dst=0, group=self.group)
         return stages
 
-    def replicated(self, named_params: list, optimizer: torch.optim.Optimizer | None = None) -> list:
-        return []  # no tensor is held by every rank: each stage holds its own blocks
+    def held_alike(self, name: str, p: nn.Parameter) -> bool:
+        return False  # each stage holds its own blocks
 
     def ownership(self, named_params: list, optimizer: torch.optim.Optimizer) -> list[str]:
         return self.split.ownership(named_params)
@@ -2714,9 +2617,8 @@ if __name__ == "__main__" and "\n# =====" not in Path(__file__).read_text(encodi
 
 @dataclass(frozen=True)
 class Within:
-    """A number a flag accepts, checked as argparse reads it: one check for every numeric flag. A
-    value that passes a sign check can still break far later (a timedelta overflow, a bucket too
-    large to allocate, a seed torch cannot take), so each has its range."""
+    """A number a flag accepts, checked as argparse reads it: past a sign check a value can still break far
+    later (a timedelta overflow, a bucket too large to allocate), so each has its range."""
 
     kind: type  # int or float
     low: float
@@ -2889,10 +2791,8 @@ LAUNCHER_GONE_GRACE_S = 60.0
 
 
 def launch_local_ranks(cfg: RunConfig, argv: list[str]) -> int:
-    """--nproc N: start N ranks of this script on this machine, as torchrun --standalone would, each
-    with torchrun's environment, so that every rank runs exactly the code path it runs under torchrun.
-    SIGINT and SIGTERM are forwarded (a rank takes a repeat within seconds as the same request); when
-    a rank fails, the others get a few seconds to notice and say so, then are stopped."""
+    """--nproc N: start N ranks here with torchrun's environment, as torchrun --standalone would; forward
+    SIGINT and SIGTERM; when a rank fails, the others get a few seconds to say so, then are stopped."""
     if launched_by_torchrun():
         raise UsageError("--nproc starts its own ranks: under torchrun, leave it out (--nproc_per_node sets the count)")
     store = dist.TCPStore(
@@ -2955,11 +2855,8 @@ def launch_local_ranks(cfg: RunConfig, argv: list[str]) -> int:
 
 
 def end_with_the_launcher() -> None:
-    """--nproc ranks end when their launcher does, however it ends (a notebook kernel killed, the
-    OOM killer): left running, they would train on, write, and hold run.lock, unseen. The operating
-    system closes the launcher's end of each rank's stdin pipe, on every platform; the rank then
-    stops as on SIGTERM (all ranks after the same step, with a checkpoint), or leaves anyway
-    LAUNCHER_GONE_GRACE_S later."""
+    """--nproc ranks end when their launcher does, however it ends (a killed notebook kernel): its end of
+    their stdin pipe closes, and a rank stops as on SIGTERM, or leaves anyway LAUNCHER_GONE_GRACE_S later."""
     if os.environ.get(LAUNCHER_PIPE) != "1":
         return
 
@@ -2984,9 +2881,8 @@ def end_with_the_launcher() -> None:
 
 
 def check_rank_variables() -> None:
-    """The rank variables torchrun exports, checked before setup_distributed reads them: a
-    leftover `export RANK=...` or a hand-made launch gets one line now, not a ValueError from
-    init_process_group or a wait for ranks that never come."""
+    """The rank variables torchrun exports, checked first: a leftover `export RANK=...` gets one line,
+    not a ValueError from init_process_group or a wait for ranks that never come."""
     env = os.environ
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
     shown = ", ".join(f"{n}={env[n]}" for n in names if n in env)
@@ -3004,14 +2900,9 @@ def check_rank_variables() -> None:
 
 
 def rendezvous_store(timeout: timedelta) -> tuple[dist.Store | None, str | None]:
-    """The key-value store the ranks meet in (None: let torch build it from MASTER_ADDR/PORT), and
-    the launch this process belongs to (see launch_token; without an agent store, the launcher's
-    run id and pid, our parent's).
-
-    torchrun's agent keeps one store across restarts, and a restarted attempt's ranks could
-    connect to the dead attempt's addresses still in it before their peers overwrite them
-    (pytorch#135712), then hang until the timeout: a key prefix per attempt keeps them apart.
-    """
+    """The store the ranks meet in (None: torch's, from MASTER_ADDR/PORT) and their launch (launch_token).
+    torchrun's agent keeps one store across restarts, where a restarted rank could find the dead attempt's
+    addresses and hang (pytorch#135712): a key prefix per attempt keeps them apart."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         run_id = os.environ.get("TORCHELASTIC_RUN_ID")
         return None, f"{run_id}@{socket.gethostname()}:{os.getppid()}" if run_id is not None else None
@@ -3023,18 +2914,14 @@ def rendezvous_store(timeout: timedelta) -> tuple[dist.Store | None, str | None]
 
 
 def launch_token(store: dist.Store) -> str:
-    """A name for this torchrun launch, the same in every restart of it and new in the next: a
-    random token kept in the agent's store, which lives exactly as long as one launch. (Run ids
-    repeat across launches: torchrun's default --rdzv-id is "none", and a requeued Slurm job keeps
-    its id. The agent's pid is not the ranks' parent when anything sits between, as with torchrun
-    --no-python bash -c "python ...".)"""
+    """A name for this torchrun launch, the same in its restarts and new in the next: a random token in
+    the agent's store, which lives as long as the launch (run ids repeat; the agent's pid may not be ours)."""
     return store.compare_set("llm_ddp/launch", "", os.urandom(8).hex()).decode()
 
 
 def meet_without_deadline(d: Dist, name: str, problem: str) -> str:
-    """Wait, for as long as it takes, until every rank gets here; return the first problem any
-    rank brought ('' if none). In the rendezvous store, not a collective: every collective is
-    bounded by --timeout-s, and what the ranks wait for here (a download) may take longer."""
+    """Wait with no deadline (a download may outlast --timeout-s) until every rank gets here, in the store;
+    return the first problem any rank brought ('' if none)."""
     failed, arrived = f"{name}/failed", f"{name}/arrived"
     if problem:
         d.store.set(failed, problem)  # before arriving, so no rank can see everyone arrived without it
@@ -3360,15 +3247,9 @@ class TokenSequence:
 def tokenize_record(
     record: Record, tokenizer: PreTrainedTokenizerBase, train_on_prompt: bool, masking: ChatMasking | None
 ) -> TokenSequence:
-    """Text: [start] + text + [eos], every token a target. The start token (BOS, or EOS where
-    there is none, as in Qwen) lets the model predict the first token; the EOS teaches it to stop.
-    Prompt + completion: prompt + completion + [eos], targets the completion and the EOS.
-    Conversation: the chat template's rendering, targets each assistant reply and the token that
-    closes its turn (see chat_segments). --train-on-prompt makes every token a target.
-
-    The user's own text is encoded with special-token parsing off: a reply that contains the
-    characters "<|im_end|>" trains on those characters, and never ends its turn in mid-reply.
-    Only the template's own markup becomes control tokens."""
+    """Text: [start] + text + [eos], all targets; prompt + completion + [eos], targets the completion and EOS;
+    a conversation: its chat template's rendering, targets each reply and its turn's closing token
+    (chat_segments). The user's own text never becomes control tokens (docs/chat-data.md)."""
     eos = tokenizer.eos_token_id
     if record.text is not None:
         return text_sequence(encode_texts([record.text], tokenizer)[0], tokenizer)
@@ -3408,12 +3289,9 @@ def text_sequence(ids: list[int], tokenizer: PreTrainedTokenizerBase) -> TokenSe
 def encode_with_targets(
     text: str, targets: list[tuple[int, int]], users: list[tuple[int, int]], tokenizer: PreTrainedTokenizerBase
 ) -> TokenSequence:
-    """`text` encoded whole, as the model meets it when it is prompted (apply_chat_template
-    encodes the rendering whole), with each token a target when any of its characters lies in a
-    `targets` range. Encoding it in pieces would not give the same tokens: a SentencePiece
-    tokenizer (Llama 2, Mistral, Phi-3) puts a "▁" before every piece, and Mistral's reply token
-    "▁reply" carries the template's separating space into the reply, so it is the reply's. A
-    special token inside `users` (the user's own text) was typed: it is encoded as plain characters."""
+    """`text` encoded whole, as the model meets it when prompted (in pieces, a SentencePiece tokenizer would
+    put a "▁" before each), each token a target when any of its characters lies in a `targets` range; a
+    special token inside `users` (the user's own text) was typed, and is encoded as plain characters."""
     if not getattr(tokenizer, "is_fast", True):  # offsets come from the tokenizers library alone
         raise UsageError("chat and prompt-completion records need a fast tokenizer (with character offsets), "
                          f"and this model's is a slow {type(tokenizer).__name__}; text records do not")  # fmt: skip
@@ -3467,12 +3345,9 @@ def message_ranges(
     full: str,
     refuse: bool = True,
 ) -> list[tuple[int, int]]:
-    """Where each message's own text lies in `full`, the template's rendering of the conversation:
-    rendered with a marker in place of each message, the template shows what is its own text, and
-    `full` must be that with each message put back (as it is, or trimmed, as some templates do).
-    A template that changes messages otherwise gives [] if no message spells a special token
-    (nothing to keep apart); else the record is refused, unless refuse is False (--train-on-prompt
-    trains on any template that renders: every token is a target anyway)."""
+    """Where each message's own text lies in `full`, the template's rendering: rendered with a marker for each
+    message, `full` must be that with each message put back (or trimmed). A template that changes messages
+    otherwise gives [] if none spells a special token; else the record is refused (unless not `refuse`)."""
     marks = [f"\ue000{i}\ue001" for i in range(len(turns))]  # private-use characters: never in a template
     roles = tuple(role for role, _ in turns)
     if roles not in masking.marked:
@@ -3529,17 +3404,9 @@ def chat_segments(
     masking: ChatMasking,
     full: str | None = None,
 ) -> list[tuple[str, bool]]:
-    """The conversation rendered by the tokenizer's own chat template, cut into (text, is_target).
-
-    Targets are each assistant reply and the special token that closes its turn (Qwen's
-    <|im_end|>, Llama 3's <|eot_id|>, Mistral's </s>): a model that never learned to emit it never
-    stops. The mask comes from the template itself, not from {% generation %} markers (Qwen2.5's
-    stock template has none, and return_assistant_tokens_mask is then all zeros, transformers#34172):
-    the conversation through reply i extends its rendering up to reply i with the generation prompt,
-    and what it appends holds the reply, closed by a special token. Text the template puts before
-    the reply (Mistral's separating space) is prompt; whitespace it trims off a reply (Llama 3,
-    Gemma) is not target. A template for which that does not hold is refused.
-    """
+    """The conversation rendered by its chat template, cut into (text, is_target): targets are each reply and
+    the special token closing its turn. The mask comes from the template itself, not {% generation %} markers
+    (Qwen2.5's has none, transformers#34172): docs/chat-data.md says how, and what is refused."""
 
     def render(upto: int, generation_prompt: bool) -> str:
         return render_chat(turns[:upto], tokenizer, generation_prompt)
@@ -3593,9 +3460,7 @@ def clip(text: str, n: int) -> str:
 
 
 def turn_closing_token(tokenizer: PreTrainedTokenizerBase) -> int | None:
-    """The token id that closes an assistant turn in this chat template (Qwen: <|im_end|>); None
-    for a template that cannot be masked (trained with --train-on-prompt): sampling then stops
-    at EOS alone."""
+    """The token id closing an assistant turn (Qwen: <|im_end|>); None for a template that cannot be masked."""
     try:
         probe = chat_segments((("user", "?"), ("assistant", "!")), tokenizer, chat_masking(tokenizer))
     except UsageError:
@@ -3754,9 +3619,7 @@ def first_records(cfg: RunConfig, n: int) -> list[Record]:
 
 
 def show_examples(cfg: RunConfig, d: Dist, records: list[Record]) -> None:
-    """--show-examples: the first records as the model will see them, each target run in [[ ]]: what
-    to check before spending GPU hours (the template's rendering, that the replies and the token that
-    ends each turn are targets and nothing else is, and what truncation keeps)."""
+    """--show-examples: the first records as the model will see them, each target run in [[ ]]."""
     if cfg.model == "hf":
         tokenizer = load_tokenizer(cfg, resolve_model_files(cfg, d))
         masking = chat_masking(tokenizer) if any(r.messages for r in records) else None
@@ -3784,20 +3647,15 @@ def show_examples(cfg: RunConfig, d: Dist, records: list[Record]) -> None:
 
 
 def collate_for(cfg: RunConfig) -> Callable[[list], tuple[torch.Tensor, ...]]:
-    """How a micro-batch is stacked. Under sdpa and eager, packed rows stay rows: transformers builds
-    each row a block-diagonal causal mask from its position_ids, and one long row would make that
-    mask (and attention's work) grow with the square of the whole micro-batch. (flash_attention_2
-    needs one row per micro-batch: flatten_rows.)"""
+    """How a micro-batch is stacked: packed rows stay rows under sdpa and eager (one long row's mask would grow
+    with the square of the micro-batch); flash_attention_2 needs one row (flatten_rows)."""
     flash = cfg.model == "hf" and cfg.pack and cfg.attn_implementation.startswith("flash_attention")
     return flatten_rows if flash else trim_padding
 
 
 def flatten_rows(batch: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
-    """The micro-batch's packed rows laid end to end as one row, position_ids restarting at 0 for
-    each example, as transformers' flattening collator does: under flash_attention_2, transformers
-    reads position_ids as sequence boundaries (flash-attn's variable-length kernel keeps every
-    example to itself) only in a batch of one row (_is_packed_sequence). With several rows the
-    examples packed into a row would attend to each other."""
+    """The packed rows end to end as one row, position_ids restarting for each example: transformers reads them
+    as boundaries under flash_attention_2 only in a batch of one row (_is_packed_sequence)."""
     return tuple(t.reshape(1, -1) for t in trim_padding(batch))
 
 
@@ -3850,9 +3708,8 @@ def usable_cores() -> int:
 
 
 def tokenized_chunks(cfg: RunConfig, folder: Path, tokenizer: PreTrainedTokenizerBase, workers: int) -> Iterator[dict]:
-    """Each chunk of records as arrays, in order: tokenized here while a pool of `workers` processes
-    starts (one per core: the other ranks on this machine only wait meanwhile), then by the pool,
-    a few chunks ahead of the writer, so the source is never held whole in memory."""
+    """Each chunk of records as arrays, in order: here while a pool of `workers` starts, then by the pool a few
+    chunks ahead of the writer, so the source is never held whole in memory."""
     reading, chunks = record_source(cfg)
     first, second = next(chunks, None), next(chunks, None)
     if second is None or workers == 1:
@@ -4000,10 +3857,8 @@ def file_crc32(path: Path) -> int:
 
 
 def cache_problem(folder: Path, key: str) -> str | None:
-    """Why the cache in `folder` cannot be used ("" when there is none), or None when it passes its
-    check: its meta.json names this key and format, and every array file has the length and the
-    CRC-32 it had when written (read whole: 0.2 s a GB here). A truncated or damaged cache is
-    rebuilt, never trained on."""
+    """Why the cache in `folder` cannot be used ("" when there is none), or None when its meta.json names this
+    key and format and every array has its written length and CRC-32: a damaged cache is rebuilt."""
     try:
         meta = json.loads((folder / "meta.json").read_text())
     except FileNotFoundError:
@@ -4026,10 +3881,8 @@ def cache_problem(folder: Path, key: str) -> str | None:
 
 
 class FileArray:
-    """A 1-D array kept in a file of the token cache, read a slice at a time when a batch asks. Not a
-    memory map: a map keeps every page a batch ever touched in the rank's resident memory (each touch
-    maps up to 2 MB around it here: 76 held-out rows of a 1 GB corpus took 200 MB), so a long run's
-    memory would grow to the size of the cache."""
+    """A 1-D array in a file of the token cache, read a slice at a time. Not a memory map: that keeps every
+    page a batch touched resident, and a long run's memory would grow to the cache's size."""
 
     def __init__(self, path: Path, dtype: np.dtype, length: int) -> None:
         self.path, self.dtype, self.length = path, np.dtype(dtype), length
@@ -4050,10 +3903,8 @@ class FileArray:
 
 
 def build_cache(cfg: RunConfig, folder: Path, key: str, build: Callable[[ArraySink], dict]) -> None:
-    """Build into a folder of this process's own beside `folder`, then rename it into place: a crash,
-    Ctrl-C or a full disk mid-build leaves no cache a later run would load (a build killed outright
-    leaves its folder, which the next build on its machine removes). If another run renamed the same
-    cache into place first, its cache is as good as this one: it stays."""
+    """Build in a folder of this process's own, then rename it into place: a build cut short leaves no cache a
+    later run would load. If another run renamed the same cache into place first, that one stays."""
     host = socket.gethostname()
     leftover = re.compile(rf"\.(tokens|bytes)-\w+\.tmp-{re.escape(host)}-(\d+)")  # another machine's may live
     for left in folder.parent.glob(".*.tmp-*"):
@@ -4123,12 +3974,8 @@ def tokenizer_files(folder: Path) -> list[Path]:
 
 
 def corpus_key(cfg: RunConfig, folder: Path | None) -> str:
-    """A digest of everything that decides the tokens, and nothing else: the data's bytes (its
-    content, hashed whole at 1.7 GB/s here, rather than its size and mtime, so that a copy or a
-    touched file reuses the cache and an edit that keeps both does not), the data format, and for
-    a pretrained model the tokenizer's files (the chat template with them), --train-on-prompt and
-    the versions of the libraries that tokenize. --lr, --batch-size, --seed, --seq-len, --pack,
-    --val-fraction and the rest shape the examples made from the tokens, not the tokens."""
+    """A digest of everything that decides the tokens and nothing else: the data's content (not its mtime), the
+    format, and for a pretrained model the tokenizer's files, --train-on-prompt and the tokenizing libraries."""
     facts = {"cache_format": CACHE_FORMAT, "data": data_digest(cfg), "data_format": cfg.data_format}
     if folder is not None:
         import tokenizers
@@ -4201,12 +4048,9 @@ def dataset_rows(cfg: RunConfig) -> Iterator[list[tuple[int, dict]]]:
 
 
 def open_corpus(cfg: RunConfig, d: Dist, folder: Path | None) -> Lines | Tokens:
-    """The training data as the model's tokens, from the token cache, built first if no earlier run
-    built it (folder: the pretrained model's, None for the byte model). Rank 0 builds first, with
-    every core of its machine, while the others wait with no deadline (meet_without_deadline); then
-    the first rank of each other machine that cannot see rank 0's cache (a node-local --cache-dir)
-    builds its own, as TRL's global_then_local_main_first does; then every other rank opens what is
-    there. A failure anywhere stops every rank with its one line."""
+    """The training data as tokens, from the token cache, built first where missing: rank 0 builds while the
+    others wait; then the first rank of each machine that cannot see that cache (a node-local --cache-dir)
+    builds its own; then every rank opens it. A failure anywhere stops every rank with its one line."""
     if cfg.cache_dir is None:  # every rank its own, all at once, each in one process: they share the cores
         return load_or_build_corpus(cfg, d, folder, workers=1 if d.distributed else usable_cores())
     corpus, problem, mine = None, "", None
@@ -4284,9 +4128,8 @@ def tiny_parameter_count(c: TinyConfig) -> int:
 
 
 def check_model_fits(n_params: int, d: Dist) -> None:
-    """Refuse, before allocating, a model whose training state (weights, gradients and AdamW's two
-    moments: 16 bytes a parameter in fp32) cannot fit in this device's memory: else a huge --d-model
-    ends in an allocation traceback, and a huge --n-layers builds layers until the OOM killer comes."""
+    """Refuse, before allocating, a model whose training state (16 bytes a parameter in fp32 with AdamW)
+    cannot fit in this device's memory, rather than meet the OOM killer."""
     if d.device.type == "cuda":
         have = torch.cuda.get_device_properties(d.device).total_memory
     else:
@@ -4318,9 +4161,8 @@ def tiny_kit(cfg: RunConfig, d: Dist, lines: Lines, val_lines: Lines) -> ModelKi
 def build_pretrained_kit(
     cfg: RunConfig, d: Dist, records: list[Record] | Tokens, val_records: list[Record] | Tokens
 ) -> ModelKit:
-    """A pretrained causal LM (Qwen2.5 by default) with LoRA adapters, of which only the adapters
-    train; or, with --finetune full, the model itself, every weight trained. The records come
-    from the token cache (open_corpus), or as Record objects, tokenized here."""
+    """A pretrained causal LM (Qwen2.5 by default) with LoRA adapters, or every weight trained (--finetune
+    full); its records from the token cache (open_corpus), or as Record objects, tokenized here."""
     dtype, lora = choose_weights_dtype(cfg, d), cfg.finetune == "lora"
     tokenizer, model = load_pretrained(cfg, d, dtype)
     if tokenizer.pad_token is None:
@@ -4481,16 +4323,9 @@ def gpu_computes_bf16() -> bool:
 
 
 class LeanHeadLoss(nn.Module):
-    """A causal LM whose forward returns the loss sum, computed without full logits: logits for every
-    position of a 151,936-token vocabulary dwarf everything else a LoRA step holds (1.2 GB in fp32
-    for 2,048 tokens, and as much again for their gradient). The head runs only at target positions,
-    in chunks, each under activation checkpointing, so at most one chunk's logits and gradient exist.
-    DDP wraps this module: its hooks see every trainable gradient as through the model's own forward.
-
-    No attention mask and no cache: padding sits on the right behind causal attention, and for
-    packed rows transformers builds a block-diagonal causal mask from position_ids restarting at
-    0, which it does only when neither is given.
-    """
+    """A causal LM whose forward returns the loss sum without full logits (151,936 of them a token dwarf a LoRA
+    step): the head runs only at target positions, in checkpointed chunks. DDP wraps this module. No mask:
+    padding sits right, and packed rows get their block-diagonal mask from position_ids."""
 
     CHUNK = 1024  # target tokens per head chunk: 1024 x 151,936 fp32 logits = 622 MB
 
@@ -4510,9 +4345,8 @@ class LeanHeadLoss(nn.Module):
 
 
 def loss_path(model: nn.Module) -> dict:
-    """The lean head where the logits are the head's plain output (Qwen2 and most causal LMs);
-    the model's own forward where it rescales them (Gemma's soft-capping, Cohere's logit scale),
-    which the lean head would skip."""
+    """The lean head where logits are the head's plain output; the model's own forward where it rescales them
+    (Gemma's soft-capping, Cohere's logit scale)."""
     config = causal_lm(model).config
     if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None) not in (None, 1.0):
         return {
@@ -4545,10 +4379,8 @@ def choose_weights_dtype(cfg: RunConfig, d: Dist) -> torch.dtype:
 
 
 def resolve_model_files(cfg: RunConfig, d: Dist) -> Path:
-    """A local folder is used as it is; a hub name is fetched into the hub's cache, whose file locks
-    let one process per machine download each file while the others wait. Then all ranks meet with
-    no deadline (a download may outlast --timeout-s, and a machine whose cache is warm must not give
-    up on one still downloading); a rank whose fetch failed leaves its message for every rank."""
+    """A local folder as it is; a hub name fetched into the hub's cache (its file locks let one process per
+    machine download), then all ranks meet with no deadline, and a failed fetch's message reaches every rank."""
     try:
         path, problem = fetch_model_files(cfg), ""
     except UsageError as e:
@@ -4640,10 +4472,8 @@ def load_pretrained(cfg: RunConfig, d: Dist, dtype: torch.dtype) -> tuple[PreTra
 
 
 class PlannedTensorParallel(TensorParallel):
-    """A pretrained model under transformers' own tensor-parallel plan (the config's
-    base_model_tp_plan, Megatron's layout: q, k, v, gate and up by output rows, o and down by input
-    columns), applied by from_pretrained(tp_plan="auto"): each sliced weight arrives as a DTensor
-    cut along one dimension, so gathering, cutting and clipping work as for the tiny model's."""
+    """A pretrained model under transformers' own tensor-parallel plan (from_pretrained(tp_plan="auto")): each
+    sliced weight a DTensor cut along one dimension, gathered, cut and clipped as the tiny model's."""
 
     def __init__(self, model: nn.Module, d: Dist) -> None:
         self.group, self.n, self.rank, self.model = d.group("tp"), d.tp, d.tp_rank, model
@@ -4659,9 +4489,8 @@ class PlannedTensorParallel(TensorParallel):
 
 @contextlib.contextmanager
 def saved_as_one_process(model: nn.Module) -> Iterator[None]:
-    """transformers' save_pretrained of a tensor-parallel model gathers the slices itself and then
-    meets every rank at a barrier; here rank 0 alone writes the whole state the wrapper gathered,
-    so the model forgets its distributed config while it does (a setting never written to config.json)."""
+    """Rank 0 alone writes the gathered whole state: the model forgets its distributed config meanwhile, or
+    save_pretrained would gather the slices itself and wait at a barrier for every rank."""
     config = causal_lm(model).config
     kept, config.distributed_config = getattr(config, "distributed_config", None), None
     try:
@@ -4701,9 +4530,8 @@ def attention_width(config: object) -> int:
 
 
 def check_lora_targets(model: nn.Module, targets: tuple[str, ...]) -> None:
-    """Every name in --lora-targets names linear layers of this model; else one line that lists
-    them, marks the output head (adapting it is rarely wanted, and all-linear leaves it out),
-    and suggests the fused projections of models that have them (Phi-3: qkv_proj, gate_up_proj)."""
+    """Every name in --lora-targets names linear layers of this model; else one line listing them (the head
+    marked) and the fused projections of models that have them."""
     if targets == (ALL_LINEAR,):
         return
     head = causal_lm(model).get_output_embeddings()
@@ -4861,11 +4689,24 @@ def all_gather_tensor(d: Dist, t: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
+def replicated(model: Layout, named_params: list, optimizer: torch.optim.Optimizer | None = None) -> list:
+    """(name, tensor) every rank must hold bit for bit (--verify-sync): the averaged gradients, or, given the
+    optimizer, the weights and its state, never a slice, a stage's own or a ZeRO-1 share. Under FSDP all are
+    gathered whole (a collective): equal unless the gather is broken, as no rank holds another's shard."""
+    alike = [(n, p) for n, p in named_params if model.held_alike(n, p)]
+    if optimizer is None:
+        return [(f"grad of {n}", p.grad) for n, p in alike if p.grad is not None]
+    if model.gathers_in_forward:
+        state = optimizer_state_tensors(named_params, optimizer)
+        return [(n, model.whole_tensor(n, p, p.detach())) for n, p in named_params] + [
+            (what, model.whole_tensor(n, p, t)) for what, n, p, t in state]  # fmt: skip
+    state = [] if holds_a_share(optimizer) else optimizer_state_tensors(alike, optimizer)
+    return [(n, p.detach()) for n, p in alike] + [(what, t) for what, _, _, t in state]
+
+
 def verify_replicas_agree(d: Dist, step: int, when: str, named: list[tuple[str, torch.Tensor]]) -> None:
-    """Every rank must hold bit-identical tensors: compare a fingerprint of each (its fp64 sum and sum
-    of squares), two numbers a tensor in one small all-gather; every rank sees every fingerprint, so
-    all stop together. Compared as bit patterns: an fp16 step that overflows is routine (the scaler
-    skips it), and its NaN sums, identical on every rank, are never equal as numbers."""
+    """Every rank must hold bit-identical tensors: each one's fingerprint (fp64 sum and sum of squares) in one
+    all-gather, compared as bit patterns (an fp16 overflow's NaN sums are never equal as numbers)."""
     if not named:  # every gradient is sharded: nothing is replicated to compare
         return
     fingerprint = torch.stack([torch.stack([t.double().sum(), t.double().square().sum()]) for _, t in named]).cpu()
@@ -4966,25 +4807,13 @@ IDLE = ("bubble", "drain")  # a pipeline stage waiting for a neighbour: filling,
 
 
 class Timeline:
-    """--trace-steps N: what every rank did, and when, during its first N optimizer steps (of this
-    attempt: a resumed run traces from where it resumed).
+    """--trace-steps N: what every rank did, and when, in its first N optimizer steps of this attempt.
 
-    The loop's phase marks (the ones --time-breakdown uses) become spans: data, forward, backward,
-    sync, optimizer, inside a "step K" span. Each bucket's all-reduce is a span from the moment the
-    wrapper hands it over until its result is ready, taken in the wrapper's own hook, so it runs
-    beside backward, as in the process. "backward" ends when the last parameter's gradient is
-    ready; torch's DDP then waits inside backward() for the buckets in flight: that wait is "sync".
-    It hooks the parameters before the DDP wrapper does: hooks run in the order they were
-    registered, so the last gradient is stamped before the wrapper launches the last bucket.
-
-    Two waits are named for what they are: in the first traced step, the sync before forward is the
-    ranks' start-up (the first to arrive waits for the last to start); on a pipeline's last stage, the
-    sync after its gradients' is its drain (it waits for the stages still working through the last
-    micro-batches' backward). The first stage finishes last: its closing syncs stay syncs.
-
-    On a GPU a mark is a CUDA event, not a clock reading: the host runs ahead of the device, and an
-    event records when the *device* got there. Each traced step starts with a synchronize, to pin
-    the events to this rank's clock, and ends with another to read them.
+    The loop's phase marks become spans (data, forward, backward, sync, optimizer) inside a "step K"
+    span; each collective is a span from hand-over to arrival, beside backward. It hooks the parameters
+    before the wrapper does, so the last gradient is stamped before the last bucket leaves. The first
+    traced step's opening sync is "start-up", a pipeline's last stage's closing one "drain". On a GPU a
+    mark is a CUDA event, pinned to this rank's clock by a synchronize at each traced step's ends.
     """
 
     def __init__(self, last_step: int, device: torch.device, params: list[nn.Parameter] = (),
@@ -5061,9 +4890,8 @@ class Timeline:
 
 
 def clock_offsets(d: Dist, rounds: int = 9) -> list[float]:
-    """What to add to each rank's clock to read rank 0's (seconds). Each round, all ranks leave a
-    barrier together and read their clocks: rank 0's reading minus rank r's is r's offset, give or
-    take how unevenly the barrier released them; the median drops the rounds a hiccup spoiled."""
+    """What to add to each rank's clock to read rank 0's (seconds): each round all ranks leave a barrier and
+    read their clocks; the median over rounds drops those a hiccup spoiled."""
     if not d.distributed:
         return [0.0]
     readings = []
@@ -5088,9 +4916,8 @@ def collect_trace(d: Dist, timeline: Timeline, offsets: list[float]) -> list[lis
 
 
 def hidden_fraction(spans: list[Span]) -> float | None:
-    """Of the time one rank had communication in flight, the share its forward or backward was
-    computing (DDP's all-reduces run beside backward; FSDP's prefetched all-gathers beside forward
-    too). That time is free: the wire works while the cores compute. The rest is waited for."""
+    """Of the time one rank had communication in flight, the share its forward or backward was computing:
+    that time is free; the rest is waited for."""
 
     def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
         merged: list[tuple[float, float]] = []
@@ -5153,9 +4980,8 @@ def one_bucket_hint(ranks: list[list[Span]]) -> str:
 
 
 def describe_trace(cfg: RunConfig, ranks: list[list[Span]]) -> tuple[str, str]:
-    """The summary's row on what the trace shows: under a model split, what its communication
-    costs (a tensor-parallel all-reduce sits inside forward and backward, which wait for it; a
-    pipeline stage idles while it fills and drains); otherwise how much of it hid behind compute."""
+    """The summary's row on the trace: under a model split, what its communication costs; otherwise how
+    much of it hid behind compute."""
     if cfg.pp > 1:
         s, m = cfg.pp, cfg.grad_accum_steps
         ideal = f"{100 * (s - 1) / (m + s - 1):.0f}% for {s} stages and {m} micro-batches"
@@ -5171,9 +4997,8 @@ def describe_trace(cfg: RunConfig, ranks: list[list[Span]]) -> tuple[str, str]:
 
 
 def communication_lanes(spans: list[Span]) -> list[tuple[Span, int]]:
-    """The communication spans in time order, each with a lane, so spans sharing a lane never
-    overlap: a bucket handed over while the previous one is still in flight waits its turn on the
-    wire, and lane by lane the timeline shows how deep that queue got."""
+    """The communication spans in time order, each with a lane where it overlaps no other: the lanes show
+    how deep the queue of buckets on the wire got."""
     ends: list[float] = []
     placed = []
     for span in sorted((s for s in spans if s[0] in COMMUNICATION), key=lambda s: s[1]):
@@ -5274,10 +5099,8 @@ def choose_precision(cfg: RunConfig, d: Dist) -> str:
 
 
 def warn_if_bf16_is_emulated(cfg: RunConfig, d: Dist) -> None:
-    """bf16 on a CPU without bf16 instructions (AVX2-only x86, say) is emulated, and nothing else
-    would say so: on a 2-core AVX2-only AMD EPYC, one rank of the tiny model (d 512) trained at 96
-    tokens/s in bf16 against about 3,300 in fp32. oneDNN answers whether it lacks them (honouring
-    a cap such as ONEDNN_MAX_CPU_ISA=AVX2); a build without oneDNN is timed."""
+    """bf16 on a CPU without bf16 instructions is emulated, and nothing else would say so (96 tokens/s against
+    3,300 in fp32 on an AVX2-only EPYC). oneDNN says whether it lacks them; a build without oneDNN is timed."""
     wants_bf16 = cfg.precision == "bf16" or (cfg.model == "hf" and cfg.dtype == "bfloat16")
     if not (d.is_main and d.device.type == "cpu" and wants_bf16):
         return
@@ -5314,10 +5137,8 @@ def autocast_for(precision: str, device: torch.device) -> contextlib.AbstractCon
 
 
 def check_gradients_arrived(model: nn.Module, d: Dist) -> None:
-    """After the first backward some trainable weight must have a non-zero gradient. This catches the
-    silent failure where nothing learns: a frozen input to a checkpointed block, adapters attached to
-    layers the forward never uses. (LoRA's A gets exactly zero gradient at step 1, because B starts at
-    zero; B's shows the path works.) Asked of every rank: under sharding each holds a slice."""
+    """After the first backward some trainable weight must have a non-zero gradient: else nothing learns (a
+    frozen input to a checkpointed block, adapters on unused layers). Every rank is asked: each holds a slice."""
     grads = [local_part(p.grad) for p in model.parameters() if p.requires_grad and p.grad is not None]
     if not all_reduce_sum(d, [any(bool(g.any()) for g in grads)])[0]:
         raise TrainingError("no gradient reached the trainable weights at step 1: nothing would learn")
@@ -5344,18 +5165,10 @@ def crash_on_purpose(kind: str, d: Dist, step: int) -> None:
 
 
 class SideWork(Hooks):
-    """Everything train() does besides the DDP steps, at its fixed points (Hooks): resume and the run's
-    header, the phase timer (--time-breakdown) and the timeline (--trace-steps), faults on purpose
-    (--inject-fault), the first step's gradient check, the learner's report (--inspect), the replica
-    check (--verify-sync), stop requests, evaluation, the Reporter's progress and metrics, the
-    StateSaver's checkpoints, and the memory table. With their flags off, the calls cost nothing.
-
-    The phase timer shows where each step's time goes: data, forward, backward, sync, optimizer.
-    torch's DDP all-reduces inside backward, overlapped with it, so its cost shows up as a longer
-    backward; "sync" is the step's other talking and agreeing: the token-count all-reduce before
-    forward, and after backward the manual DDP's wait for its buckets, the loss all-reduce and
-    clipping. On CUDA each mark synchronises the device: the price of true numbers.
-    """
+    """Everything train() does besides the DDP steps, at its Hooks: resume and the header, the phase timer
+    (--time-breakdown), the timeline, faults on purpose, the first step's gradient check, --inspect,
+    --verify-sync, stop requests, evaluation, progress and metrics, checkpoints, and the memory table.
+    With their flags off, the calls cost nothing (docs/performance.md reads the phase timer)."""
 
     PHASES = ("data", "forward", "backward", "sync", "optimizer")
 
@@ -5454,13 +5267,13 @@ class SideWork(Hooks):
 
     def before_update(self, step: int, model: Layout, named_params: list) -> None:
         if self.verifying(step):
-            verify_replicas_agree(self.d, step, "after the gradient all-reduce", model.replicated(named_params))
+            verify_replicas_agree(self.d, step, "after the gradient all-reduce", replicated(model, named_params))
 
     def after_update(self, step: int, model: Layout, named_params: list, optimizer: torch.optim.Optimizer) -> None:
         self.mark("optimizer")
         self.stats.counting = False
         if self.verifying(step):
-            state = model.replicated(named_params, optimizer)
+            state = replicated(model, named_params, optimizer)
             verify_replicas_agree(self.d, step, "after the optimizer step", state)
         if self.timeline:
             self.timeline.end_step()
@@ -5487,24 +5300,10 @@ class SideWork(Hooks):
 
 
 class StopRequest:
-    """SIGTERM or SIGINT asks for a clean stop: finish this step, checkpoint, exit.
-
-    A signal can land on one rank and not another, and at any point of a step. Ranks must
-    stop together, at the same step boundary, so each only records the request here; the
-    next step's first all-reduce tells every rank whether any rank was asked.
-
-    One request usually arrives twice. Ctrl-C in a terminal (and Slurm's or systemd's SIGTERM)
-    signals every process of the job, torchrun's agent included, and the agent forwards its own
-    copy to every worker a moment later. So a repeat that *arrives* within REPEAT_S seconds is
-    that copy, never a second request. A signal after that, once the acknowledgement is on
-    screen, is deliberate: the process exits at once, without a checkpoint.
-
-    Arrival is timed by a thread, not by the handler: Python runs a handler only between the
-    main thread's bytecodes, and the main thread may be inside one C call (a backward pass, a
-    wait in a collective) for many seconds, which would make the copy look late. The C-level
-    handler writes each signal's number to a wakeup socket the moment it arrives; the thread
-    reads it there.
-    """
+    """SIGTERM or SIGINT asks for a clean stop: finish this step, checkpoint, exit. Each rank only records
+    it; the next step's first all-reduce tells every rank, so all stop at the same step. A repeat arriving
+    within REPEAT_S is the agent's forwarded copy; a later one exits at once. Arrival is timed by a thread
+    reading the wakeup socket: a handler waits for the main thread to leave its C call (docs/faults.md)."""
 
     REPEAT_S = 3.0
 
@@ -5551,11 +5350,7 @@ STOP = StopRequest()
 
 
 def raise_non_finite(d: Dist, step: int, loss: float, grad_norm: float, local_loss_sum: float) -> None:
-    """Stop every rank before a NaN or inf reaches the weights, and say where it came from.
-
-    Every rank reaches this point together: the loss is summed over ranks and the gradient
-    norm is computed from the all-reduced (identical) gradients, so all see the same values.
-    """
+    """Stop every rank (all see the same summed loss and norm) before a NaN or inf reaches the weights."""
     local_losses = all_gather_tensor(d, torch.tensor([local_loss_sum], dtype=torch.float64))
     bad = [r for r, t in enumerate(local_losses) if not math.isfinite(t.item())]
     where = f"non-finite local loss on rank(s) {bad}" if bad else "the losses were finite, the gradients were not"
@@ -5642,9 +5437,7 @@ def announce_run(cfg: RunConfig, d: Dist, sampler: DistributedSampler, steps_per
 
 
 def sent_in_buckets(model: Layout, calls: int, nbytes: int) -> dict[str, int]:
-    """The step's all-reduce count and bytes, for the log and metrics, where gradients travel in DDP's
-    buckets. Under --sharding full the weights are gathered and the gradients scattered; a model split
-    over every rank, with no replica to average with, sends none."""
+    """The step's bucket all-reduces (calls, bytes) for the metrics, where gradients travel in DDP's buckets."""
     return {"allreduce_calls": calls, "allreduce_bytes": nbytes} if model.all_reduces_buckets else {}
 
 
@@ -5654,15 +5447,9 @@ def evaluation_due(cfg: RunConfig, kit: ModelKit, step: int) -> bool:
 
 @torch.no_grad()
 def evaluate(cfg: RunConfig, d: Dist, kit: ModelKit, model: Layout, precision: str) -> dict[str, float]:
-    """The exact token-weighted loss on the held-out lines, computed by all ranks together.
-
-    Rank r takes held-out examples r, r+W, r+2W, ...: every example exactly once. (A
-    DistributedSampler would repeat examples to give every rank the same count, and count them
-    twice.) Each rank runs the *unwrapped* model: no DDP hooks and no per-batch collective, so
-    shards of unequal size cannot leave a rank waiting. (When every forward gathers weights, FSDP,
-    a rank with fewer batches runs uncounted ones to join in.) One all-reduce then sums loss,
-    tokens and bytes.
-    """
+    """The exact token-weighted held-out loss, by all ranks: rank r takes examples r, r+W, ... (each once; a
+    DistributedSampler would repeat some) through the unwrapped model, and one all-reduce sums the results.
+    Under FSDP a rank with fewer batches runs uncounted ones to join every forward's gathers."""
     val, raw = kit.val, kit.trained
     raw.eval()
     loss_sum = tokens = nbytes = 0.0
@@ -5691,9 +5478,7 @@ def evaluate(cfg: RunConfig, d: Dist, kit: ModelKit, model: Layout, precision: s
 
 
 def evaluated_examples(cfg: RunConfig, n: int) -> torch.Tensor:
-    """Which held-out examples an evaluation reads: all, or --eval-examples spread evenly over them,
-    so that its cost stays bounded however large the corpus (nanoGPT's eval_iters, here fixed
-    examples: every evaluation reads the same ones, and their losses compare step to step)."""
+    """Which held-out examples an evaluation reads: all, or --eval-examples spread evenly, the same each time."""
     if not cfg.eval_examples or cfg.eval_examples >= n:
         return torch.arange(n)
     return torch.arange(cfg.eval_examples) * n // cfg.eval_examples
@@ -5744,13 +5529,8 @@ def peak_flops(d: Dist, precision: str) -> float | None:
 
 
 def training_flops_per_token(model: nn.Module, n_layers: int, attention_width: int, seq_len: int) -> float:
-    """FLOPs to train on one token, for MFU (PaLM, appendix B, made LoRA-aware).
-
-    A weight multiplies each token twice in the forward pass (a multiply and an add), twice
-    more in backward for the input's gradient, and twice more for its own gradient: 6 per
-    trained weight, 4 per frozen one (no weight gradient). Attention's score and mixing
-    matmuls add 12 x layers x width x sequence length.
-    """
+    """FLOPs to train on one token, for MFU (PaLM, appendix B, LoRA-aware): 6 per trained weight, 4 per frozen
+    one (no weight gradient), plus attention's 12 x layers x width x sequence length."""
     linears = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
     trained, frozen = (
         sum(w.numel() for w in linears if w.requires_grad),
@@ -5772,12 +5552,8 @@ class TrainResult:
 
 
 class Reporter:
-    """Rank 0's account of the run: a progress bar or log lines, the metrics file, the history.
-
-    Every number it reports was already reduced over all ranks; the other ranks stay quiet.
-    Speeds count training steps only (data, forward, backward, sync, update), not evaluation
-    or checkpoint writing.
-    """
+    """Rank 0's account of the run, in numbers already reduced over all ranks: a progress bar or log lines,
+    the metrics file, the history. Speeds count training steps only, not evaluation or checkpoints."""
 
     def __init__(self, cfg: RunConfig, d: Dist, kit: ModelKit, progress: Progress, precision: str,
                  steps_per_epoch: int) -> None:  # fmt: skip
@@ -5927,9 +5703,8 @@ def predict_memory(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
 def measure_memory(
     d: Dist, kit: ModelKit, model: Layout, optimizer: torch.optim.Optimizer, predicted: dict
 ) -> list[dict]:
-    """Every rank's parameters, gradients and optimizer state in bytes, and its peaks. A collective.
-    ManualDDP's flat buckets count as gradients: a second copy of them (torch's DDP makes .grad
-    a view into its buckets instead)."""
+    """Every rank's parameters, gradients (with ManualDDP's buckets) and optimizer state in bytes, and its
+    peaks. A collective."""
     counted: set[tuple[int, str]] = set()
 
     def storage_bytes(tensors: Iterator[torch.Tensor]) -> int:
@@ -6069,13 +5844,8 @@ def describe_error(error: BaseException) -> str:
 
 
 def rank0_then_share(d: Dist, what: str, work: Callable[[], object], error: type[Exception] = TrainingError) -> object:
-    """Rank 0 alone runs `work`; every rank receives its result, or its failure, in one broadcast.
-
-    The broadcast sits outside the rank-0 branch: every rank must reach it, or the ones that do
-    would wait for ever. Whatever `work` raises travels as text (an OSError from a full disk,
-    safetensors' own error type, a bug), so every rank ends with the same one line, instead of
-    rank 0 showing a traceback while the others wait in a collective until the timeout.
-    """
+    """Rank 0 alone runs `work`; every rank receives its result, or its failure as text, in one broadcast
+    outside the rank-0 branch: every rank ends with the same one line, none waits for the timeout."""
     outcome: dict = {}
     if d.is_main:
         try:
@@ -6118,14 +5888,8 @@ def prepare_outputs(cfg: RunConfig) -> None:
 
 
 class OutputLock:
-    """One run per output folder: rank 0 holds OUTPUT_DIR/run.lock for as long as it lives.
-
-    Two runs writing into one folder would overwrite each other's model and metrics, share
-    checkpoints, and --resume auto could continue the other run's. The lock is the operating
-    system's (flock; on Windows a locked byte), so it ends with the process however it ends,
-    SIGKILL included: a leftover run.lock that nobody holds means nothing. A torchrun restart's
-    new rank 0 takes it over from the dead one. The file's text names the holder.
-    """
+    """One run per output folder: rank 0 holds OUTPUT_DIR/run.lock (flock; on Windows a locked byte) as long as
+    it lives, so it ends with the process however it ends; the file's text names the holder."""
 
     def __init__(self) -> None:
         self.file: io.TextIOWrapper | None = None  # open for the process's lifetime: the lock lives with it
@@ -6208,12 +5972,8 @@ METRICS_RECORD_START = b'{"step": '  # every record opens so (json.dumps keeps t
 
 
 def read_metrics_records(path: Path) -> list[tuple[int, bytes]]:
-    """(step, line) for each record of an existing metrics file.
-
-    A last line without its newline that is the start of a record is a write that was cut off
-    (a full disk, a kill): it is dropped, not fatal. Anything else that is not a record means the
-    file is not ours, and is never overwritten.
-    """
+    """(step, line) for each record of an existing metrics file: a cut-off last line is dropped; anything
+    else that is not a record means the file is not ours, and it is never overwritten."""
     if not path.exists():
         return []
     if not path.is_file():
@@ -6242,12 +6002,8 @@ def read_metrics_records(path: Path) -> list[tuple[int, bytes]]:
 
 
 def prepare_metrics_file(cfg: RunConfig, start_step: int) -> None:
-    """A resumed run redoes the steps after its checkpoint: drop their first-attempt records.
-
-    A run that starts from step 0 owns no records: a file that holds some is another run's,
-    and is moved aside rather than overwritten. (A torchrun restart of this job that found no
-    checkpoint is the exception: those records are its own first attempt's.)
-    """
+    """A resumed run drops the records of the steps after its checkpoint; a run from step 0 moves another
+    run's file aside (a torchrun restart without a checkpoint owns its first attempt's)."""
     path = cfg.metrics_file
     records = read_metrics_records(path)
     if start_step == 0 and records and restart_count() == 0:
@@ -6319,17 +6075,9 @@ def global_batch_of(settings: dict) -> int | None:
 
 
 def run_settings(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
-    """The settings that decide which example lands in which step, what the model is, and how
-    each step updates it.
-
-    A resume with any of these changed would not continue the same run, so it is refused: the
-    optimizer's saved state would silently override a new --weight-decay, a new --lr, --min-lr or
-    --warmup-steps would bend the schedule mid-run, and another --precision, --dtype,
-    --grad-compression, --ddp, backend or device would compute every later step differently.
-    What only watches, reports or paces the run (--bucket-mb, --eval-every, --trace-steps, ...)
-    stays free, and --max-steps may grow (MAY_CHANGE_ON_RESUME). So does where the state lives
-    (--sharding: every checkpoint is whole) and how the global batch is split (BATCH_SPLIT).
-    """
+    """The settings that decide which example lands in which step, what the model is and how each step
+    updates it: a resume that changes one is refused. What only watches or paces the run stays free,
+    --max-steps may grow (MAY_CHANGE_ON_RESUME), and so may the layout (BATCH_SPLIT, --sharding)."""
     model = ("d_model", "n_heads", "n_layers", "dropout") if cfg.model == "tiny" else (
         "model_name_or_path", "finetune", "lora_r", "lora_alpha", "lora_dropout", "attn_implementation")  # fmt: skip
     taken = ("model", "tp", "pp", "batch_size", "grad_accum_steps", "seq_len", "seed", "optimizer", "lr", "min_lr",
@@ -6362,9 +6110,7 @@ class StateSaver:
 
     def save(self, model: Layout, named_params: list, optimizer: torch.optim.Optimizer,
              scaler: torch.amp.GradScaler | None, progress: Progress) -> None:  # fmt: skip
-        """A collective: the RNG states are the one part that differs by rank, so every rank sends its
-        own to rank 0; the model gives the rest whole on rank 0 (DDP's replicas are identical, its
-        copy will do; shards are gathered): any layout resumes from it. Rank 0 alone writes."""
+        """A collective: every rank's RNG states and the whole state, on rank 0, which alone writes."""
         cfg, d, step = self.cfg, self.d, progress.step
         if step == self.saved_step:
             return
@@ -6459,11 +6205,8 @@ def read_checkpoint(folder: Path) -> dict:
 
 
 def prune_checkpoints(cfg: RunConfig) -> None:
-    """Keep the newest --keep-last *verified* checkpoints; delete older ones and older debris.
-
-    Checked, not trusted: a folder counts only once its state.pt matches its manifest, so a
-    damaged folder can never push a good one out, and the newest good one always stays.
-    """
+    """Keep the newest --keep-last *verified* checkpoints (state.pt matching its manifest): a damaged folder
+    never pushes a good one out. Older ones and older debris go."""
     folders, verified = checkpoint_folders(cfg.output_dir / "checkpoints"), []
     for folder in folders:
         with contextlib.suppress(UsageError):
@@ -6478,12 +6221,8 @@ def prune_checkpoints(cfg: RunConfig) -> None:
 
 
 def choose_checkpoint(cfg: RunConfig, settings: dict, final_name: str) -> dict | None:
-    """The checkpoint state to resume from, or None to start from step 0 (rank 0 alone reads: a
-    checkpoint on its local disk is enough, and its choice reaches every rank in one broadcast).
-
-    --resume, except in an attempt torchrun restarted: a restart must continue from the newest
-    checkpoint this job wrote; going back to --resume PATH would throw away everything trained
-    since, and --resume none would set it all aside."""
+    """The checkpoint state to resume from, or None (rank 0 reads, and broadcasts): --resume, except that an
+    attempt torchrun restarted continues from the newest checkpoint this job wrote."""
     root, mode = cfg.output_dir / "checkpoints", cfg.resume
     if mode != "auto" and restart_count() > 0:
         say(f"[resume] torchrun restarted the job: --resume {cfg.resume} was for its first attempt; using auto")
@@ -6520,11 +6259,8 @@ def choose_checkpoint(cfg: RunConfig, settings: dict, final_name: str) -> dict |
 
 
 def keep_a_finished_model(cfg: RunConfig, final_name: str) -> None:
-    """A run that starts from step 0 in a folder holding a finished run's model would replace that
-    model at its end. (The lock keeps two runs apart at once, this one after the other; resuming a
-    checkpoint there continues that run, and its model is this run's to replace.) A folder the user
-    named is refused; the default one, which every run that names none shares, keeps the earlier
-    model beside it under another name."""
+    """A run from step 0 in a folder holding a finished run's model would replace it: a folder the user named
+    is refused (without --overwrite); the shared default keeps the earlier model under another name."""
     final = cfg.output_dir / final_name
     if not final.exists() or cfg.overwrite or restart_count() > 0:
         return
@@ -6771,10 +6507,7 @@ def sample_saved_model(kit: ModelKit, cfg: RunConfig, path: Path) -> str:
 
 
 def steps_for_epochs(cfg: RunConfig, d: Dist, kit: ModelKit) -> RunConfig:
-    """--epochs E: the run's length in steps, known once the data is built; --max-steps still caps.
-
-    Settled before anything reads cfg.max_steps, so the schedule spans the run's real length.
-    """
+    """--epochs E: the run's length in steps, settled once the data is built; --max-steps still caps."""
     if not cfg.epochs:
         return cfg
     # What the loader will give: the sampler's drop_last shard, whole batches, whole steps.
@@ -6801,17 +6534,8 @@ def report_error(message: str, every_rank: bool = False, after_peer: bool = Fals
 
 
 def tell_torchrun(line: str, later: bool = False) -> None:
-    """Leave the line in this rank's error file, where torchrun looks for why a rank failed.
-
-    torchrun ends its failure report with the first failed rank's error file as the "root cause";
-    without one it says only "To enable traceback see: ...". @record writes that file for an
-    uncaught exception, never for a chosen exit, so each rank writes its own line here, in the
-    same JSON shape.
-
-    torchrun names the failure with the earliest timestamp (whole seconds; on a tie, the lowest
-    rank). A rank that only lost contact with a failed peer is never the cause, so its line is
-    stamped a second later (`later`), and the peer's own failure is the one shown.
-    """
+    """Leave the line in this rank's error file (as @record does for an uncaught exception), where torchrun
+    finds the "root cause": the earliest stamp. A rank that only lost a peer stamps a second `later`."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
@@ -6821,10 +6545,8 @@ def tell_torchrun(line: str, later: bool = False) -> None:
 
 
 def leave_finished() -> None:
-    """Exit 0 without the interpreter's shutdown, once every rank has left the process group and
-    every file is closed: there the C++ destructors of torch's communication threads occasionally
-    abort a finished run ("terminate called without an active exception", seen here about once in
-    a few hundred runs, despite the gc.collect in teardown_distributed)."""
+    """Exit 0 without the interpreter's shutdown, whose C++ destructors of torch's communication threads abort a
+    finished run about once in a few hundred ("terminate called without an active exception")."""
     teardown_distributed()
     sys.stdout.flush()
     sys.stderr.flush()
