@@ -1578,10 +1578,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return loss
 
     def state_dict(self, to: int | None = None, group: dist.ProcessGroup | None = None) -> dict:
-        """The full state, exactly as an unsharded optimizer_class would return it. A collective:
-        every rank calls it, and every rank receives the whole state; or, with `to`, that rank
-        alone (the others get {}), as a checkpoint wants: every rank holding all of it is
-        what ZeRO-1 exists to avoid. `group`: a Gloo group, to keep the state off the GPUs."""
+        """The full state, as an unsharded optimizer_class would return it: a collective, every rank receiving
+        it, or with `to` that rank alone (the others get {}). `group`: a Gloo group keeps it off the GPUs."""
         index, inner = self._global_index(), self.optim.state_dict()
         mine = [p for group in self.optim.param_groups for p in group["params"]]
         local = {
@@ -1665,44 +1663,29 @@ class ManualFSDP(Wrapper):
     """FSDP (ZeRO stage 3) from scratch: each rank stores 1/N of every weight, gradient and moment.
 
     A *unit* is a module whose parameters are made whole together. For each parameter p of a unit:
-    1. Between steps p.data is this rank's shard: p flattened, zero-padded to a multiple of N,
-       cut in N pieces; rank r keeps piece r. The optimizer (any torch optimizer) sees only
-       shards, so its state is 1/N of the model too.
-    2. Before the unit's forward: all-gather the pieces into the whole weight (p.data = whole).
-       While the unit computes, the next unit's all-gather is already in flight (prefetch).
-    3. After its forward: p.data = the shard again, and the whole weight is freed. Autograd
-       saved p itself, not a copy: backward will use whatever p.data holds by then. (The root
-       unit's forward encloses all the others: it stays whole until its forward ends.)
-    4. Before its backward (a hook on its output's gradient): gather again, and prefetch the
-       unit whose backward comes next.
-    5. As its last gradient arrives: reduce-scatter. Each rank receives the sum over ranks of
-       its own piece of the gradient only; the whole gradient is freed.
-    6. finish_gradient_sync(): wait for the reduce-scatters and divide by N: p.grad is the
-       averaged gradient of p's shard, shaped like p.data.
-    Parameters outside every unit stay whole on every rank; their gradients are averaged as DDP does.
-    With param_dtype (bfloat16, say) the weights compute in it, gathered so and with each unit's
-    inputs cast, as torch's fully_shard with a MixedPrecisionPolicy; the shards, every gradient and
-    its sum over micro-steps stay in the shards' dtype (float32).
+    1. Between steps p.data is this rank's shard: p flattened, zero-padded, cut in N pieces; rank r
+       keeps piece r. The optimizer sees only shards, so its state is 1/N of the model too.
+    2. Before the unit's forward: all-gather the whole weight (p.data = whole), the next unit's
+       all-gather already in flight (prefetch).
+    3. After its forward: p.data = the shard again. Autograd saved p, not a copy: backward uses
+       whatever p.data holds by then.
+    4. Before its backward (a hook on its output's gradient): gather again, and prefetch.
+    5. As its last gradient arrives: reduce-scatter; each rank receives its piece of the sum.
+    6. finish_gradient_sync(): wait, divide by N: p.grad is the averaged gradient of p's shard.
+    Parameters outside every unit stay whole, averaged as DDP does. With param_dtype the weights and
+    each unit's inputs compute in it (fully_shard's MixedPrecisionPolicy); shards and gradients do not.
     """
 
-    gathers_in_forward, all_reduces_buckets = True, False
+    gathers_in_forward, all_reduces_buckets, rank0_holds_all = True, False, False
 
-    def __init__(
-        self,
-        module: nn.Module,
-        d: Dist,
-        units: list[nn.Module],
-        param_dtype: torch.dtype | None = None,
-        stats: CommStats | None = None,  # counts each all-gather and reduce-scatter; traces them (--trace-steps)
-    ) -> None:
+    def __init__(self, module: nn.Module, d: Dist, units: list[nn.Module], param_dtype: torch.dtype | None = None,
+                 stats: CommStats | None = None) -> None:  # fmt: skip
         super().__init__(module)
         self.world, self.rank, self.param_dtype = d.world_size, d.rank, param_dtype
         start_equal(module)
         owner = innermost_units(module, units)
-        self.units = []
-        for u in units:
-            mine = [p for p in u.parameters() if owner[p] is u]
-            self.units.append(Unit(u, mine, [p for p in mine if p.requires_grad]))
+        mine = {u: [p for p in u.parameters() if owner[p] is u] for u in units}
+        self.units = [Unit(u, mine[u], [p for p in mine[u] if p.requires_grad]) for u in units]
         self.whole_params = [p for p in module.parameters() if p not in owner and p.requires_grad]
         self.shape = {p: p.shape for p in owner}
         self.shard = {p: self._cut(p) for p in owner}  # the master weights: p.data points here between steps
@@ -1711,7 +1694,7 @@ class ManualFSDP(Wrapper):
         self.forward_order: list[Unit] = []  # learned in the first step; prefetch follows it
         self.finish_order: list[Unit] = []  # units in the order their forwards end: backward runs it in reverse
         self.order_known = False
-        self.gloo, self.stats = dist.get_backend() == "gloo", stats
+        self.gloo, self.stats = dist.get_backend() == "gloo", stats  # stats: counts and traces each collective
         self.master: dict[nn.Parameter, torch.Tensor] = {}  # a replicated weight's own, while it computes cast
         if param_dtype is not None and self.whole_params:
             module.register_forward_pre_hook(self._cast_replicated)
@@ -1732,7 +1715,6 @@ class ManualFSDP(Wrapper):
         padded[: t.numel()] = t.detach().reshape(-1)
         return padded[self.rank * size : (self.rank + 1) * size].clone()
 
-    # -- whole weights: all-gather before a unit runs, back to shards after
     def _start_gather(self, unit: Unit) -> None:
         if unit.full or unit.gathering is not None:
             return
@@ -1768,7 +1750,6 @@ class ManualFSDP(Wrapper):
         if self.order_known and unit in order and 0 <= (i := order.index(unit) + ahead) < len(order):
             self._start_gather(order[i])
 
-    # -- the hooks
     def _before_forward(self, unit: Unit, module: nn.Module, args: tuple) -> tuple:
         if not self.order_known and unit not in self.forward_order:
             self.forward_order.append(unit)
@@ -1805,8 +1786,7 @@ class ManualFSDP(Wrapper):
 
     @torch.no_grad()
     def _uncast_replicated(self, p: nn.Parameter | None = None) -> None:
-        """Its gradient has arrived (in param_dtype): the weight is its own again, and the gradient
-        kept in that dtype, where the next micro-step's adds to it. (None: every weight still cast.)"""
+        """p's gradient has arrived: its weight and gradient back in its own dtype (None: every weight cast)."""
         for q in [p] if p is not None else list(self.master):
             q.data = self.master.pop(q)
             if q.grad is not None:
@@ -1856,7 +1836,7 @@ class ManualFSDP(Wrapper):
     def finish_gradient_sync(self) -> None:
         self.order_known = True
         self._uncast_replicated()  # a weight that got no gradient
-        replicated = [dist.all_reduce(p.grad, async_op=True) for p in self.whole_params if p.grad is not None]
+        averaging = [dist.all_reduce(p.grad, async_op=True) for p in self.whole_params if p.grad is not None]
         for unit in self.units:
             if len(unit.arrived) < len(unit.trainable):
                 names = {q: n for n, q in self.module.named_parameters()}
@@ -1867,19 +1847,17 @@ class ManualFSDP(Wrapper):
             for p, mine in unit.settled:
                 p.grad = mine if p.grad is None else p.grad.add_(mine)
             unit.settled, unit.arrived = [], set()
-        for work in replicated:
+        for work in averaging:
             work.wait()
-        for p in self.whole_params:
-            if p.grad is not None:
-                p.grad.div_(self.world)
+        if grads := [p.grad for p in self.whole_params if p.grad is not None]:
+            torch._foreach_div_(grads, self.world)
 
     def norm_parts(self, params: list[nn.Parameter]) -> tuple[list, list, dist.ProcessGroup | None]:
         shards = [p.grad for unit in self.units for p in unit.trainable if p.grad is not None]  # the padding is 0
         return shards, [p.grad for p in self.whole_params if p.grad is not None], None
 
     def whole(self, p: nn.Parameter, shard: torch.Tensor | None = None) -> torch.Tensor:
-        """The whole of p (or of a tensor cut like p, such as its Adam moment), in the master dtype.
-        A collective for a sharded parameter: every rank calls it, every rank receives it."""
+        """The whole of p (or of a tensor cut like p, such as its Adam moment): a collective when p is sharded."""
         if p not in self.shard:
             return p.detach() if shard is None else shard
         shard = self.shard[p] if shard is None else shard
@@ -1887,28 +1865,20 @@ class ManualFSDP(Wrapper):
         all_gather_single(whole, shard.contiguous())
         return whole[: math.prod(self.shape[p])].view(self.shape[p])
 
-    rank0_holds_all = False
-
     def whole_tensor(self, name: str, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return self.whole(p, t) if t.dim() else t  # a 0-d one (Adam's step count) is never cut
 
     def tensor_part(self, name: str, p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
-        """This rank's piece of a whole tensor shaped like p (to load a checkpoint into shards)."""
         return self._cut(whole.to(self.shard[p].device)) if p in self.shard and whole.dim() else whole
 
     def held_alike(self, name: str, p: nn.Parameter) -> bool:
         return p not in self.shard  # outside every unit: whole and averaged on every rank
 
     def ownership(self, named_params: list, optimizer: torch.optim.Optimizer) -> list[str]:
-        lines = []
-        for n, p in named_params[:4]:
-            size, whole = p.numel(), math.prod(self.shape.get(p, p.shape))
-            start = self.rank * size if p in self.shard else 0
-            lines.append(f"{n}: elements [{start:,}, {min(start + size, whole):,}) of {whole:,}, flattened")
-        return [
-            *lines,
-            f"... and so on for all {len(named_params)} trained tensors: weights, gradients, optimizer state",
-        ]
+        held = [(n, self.rank * p.numel() if p in self.shard else 0, p.numel(), math.prod(self.shape.get(p, p.shape)))
+                for n, p in named_params[:4]]  # fmt: skip
+        rest = f"... and so on for all {len(named_params)} trained tensors: weights, gradients, optimizer state"
+        return [f"{n}: elements [{a:,}, {min(a + k, w):,}) of {w:,}, flattened" for n, a, k, w in held] + [rest]
 
 
 class _AfterBackward(torch.autograd.Function):
