@@ -5509,18 +5509,6 @@ def training_flops_per_token(model: nn.Module, n_layers: int, attention_width: i
     return 6 * trained + 4 * frozen + 12 * n_layers * attention_width * seq_len
 
 
-@dataclass
-class TrainResult:
-    progress: Progress
-    tokens: int  # trained on in this attempt (a resumed run counts from its checkpoint)
-    seconds: float  # spent in training steps in this attempt
-    stopped_by: str | None  # the signal's name, when a stop request ended the run early
-    trace: list[list[Span]]  # --trace-steps: every rank's spans (rank 0 only)
-    model: nn.Module  # as trained: wrapped by DDP, or sharded
-    memory: list[dict]  # every rank's training state in bytes, measured and predicted (rank 0 only)
-    traffic: dict[str, tuple[float, float]]  # this rank's collectives by kind: (calls, bytes) per step
-
-
 class Reporter:
     """Rank 0's account of the run, in numbers already reduced over all ranks: a progress bar or log lines,
     the metrics file, the history. Speeds count training steps only, not evaluation or checkpoints."""
@@ -5749,10 +5737,11 @@ def describe_traffic(cfg: RunConfig, traffic: dict[str, tuple[float, float]]) ->
     return f"rank 0, per step: {unseen_note if unseen else ''}{shown or 'nothing'}"
 
 
-def print_summary(cfg: RunConfig, d: Dist, result: TrainResult, wall_seconds: float, outputs: list[Path]) -> None:
-    history, memory = result.progress.history, result.memory
+def print_summary(cfg: RunConfig, d: Dist, side: SideWork, progress: Progress, wall_seconds: float,
+                  outputs: list[Path]) -> None:  # fmt: skip
+    history, memory, tokens, seconds = progress.history, side.memory, side.reporter.tokens, side.reporter.seconds
     last_val = next((h for h in reversed(history) if "val_loss" in h), None)
-    speed = f"{result.tokens / result.seconds:,.0f} (this attempt's training steps)" if result.seconds else "-"
+    speed = f"{tokens / seconds:,.0f} (this attempt's training steps)" if seconds else "-"
     train_loss = (
         f"{history[0]['loss']:.4f} at step {history[0]['step']} -> {history[-1]['loss']:.4f}" if history else "-"
     )
@@ -5761,15 +5750,15 @@ def print_summary(cfg: RunConfig, d: Dist, result: TrainResult, wall_seconds: fl
     peaks = "; ".join(f"rank {r['rank']}: {r['peak_rss'] / 2**20:,.0f} MiB RSS"
                       + (f", {r['peak'] / 2**30:.2f} GiB CUDA" if cuda else "") for r in memory)  # fmt: skip
     rows = [
-        ("steps", f"{result.progress.step:,} x global batch {global_batch(cfg, d)}"),
-        ("tokens seen", f"{result.progress.tokens_seen:,} (real, non-padding)"),
-        ("wall time", f"{wall_seconds:.1f} s (training steps {result.seconds:.1f} s)"),
+        ("steps", f"{progress.step:,} x global batch {global_batch(cfg, d)}"),
+        ("tokens seen", f"{progress.tokens_seen:,} (real, non-padding)"),
+        ("wall time", f"{wall_seconds:.1f} s (training steps {seconds:.1f} s)"),
         ("tokens/s", speed),
         ("train loss", train_loss),
         ("val loss", f"{last_val['val_loss']:.4f} at step {last_val['step']}" if last_val else "- (no held-out lines)"),
         ("peak memory", peaks),
-        ("collectives", describe_traffic(cfg, result.traffic)),
-        *([describe_trace(cfg, result.trace)] if result.trace else []),
+        ("collectives", describe_traffic(cfg, side.traffic)),
+        *([describe_trace(cfg, side.trace)] if side.trace else []),
         ("outputs", ", ".join(str(p) for p in outputs)),
     ]
     width = max(len(k) for k, _ in rows)
@@ -6419,36 +6408,34 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
         rank0_writes(d, "the metrics file", lambda: prepare_metrics_file(cfg, start), error=UsageError)
     hooks = SideWork(cfg, d, kit, resume, settings)
     model, progress = train(cfg, d, kit, hooks)
-    result = TrainResult(progress, hooks.reporter.tokens, hooks.reporter.seconds, hooks.stopped_by, hooks.trace,
-                         model, hooks.memory, hooks.traffic)  # fmt: skip
-    step = result.progress.step
+    step = progress.step
     # Also after a stop: the steps it traced are worth seeing.
-    trace_file = rank0_writes(d, "the trace", lambda: write_trace(cfg, result.trace)) if cfg.trace_steps else None
+    trace_file = rank0_writes(d, "the trace", lambda: write_trace(cfg, hooks.trace)) if cfg.trace_steps else None
     if cfg.trace_steps and not trace_file:
         log(d, "[trace] no step ended: nothing to write")
-    if result.stopped_by:
-        rank0_writes(d, "the stop marker", lambda: write_stop_marker(cfg, d, step, result.stopped_by))
+    if hooks.stopped_by:
+        rank0_writes(d, "the stop marker", lambda: write_stop_marker(cfg, d, step, hooks.stopped_by))
         again = "the same command resumes there" if cfg.resume == "auto" else "--resume auto resumes there"
-        log(d, f"[stop] {result.stopped_by}: every rank stopped after step {step}; {again}")
-        tell_torchrun(f"stopped cleanly by {result.stopped_by} after step {step}, checkpoint written (exit code 3)")
+        log(d, f"[stop] {hooks.stopped_by}: every rank stopped after step {step}; {again}")
+        tell_torchrun(f"stopped cleanly by {hooks.stopped_by} after step {step}, checkpoint written (exit code 3)")
         raise SystemExit(EXIT_STOPPED)
     outputs = [cfg.output_dir / kit.final_name]
-    whole = whole_state_dict(result.model, d, kit.model)  # sharded or split: gathered, on rank 0
+    whole = whole_state_dict(model, d, kit.model)  # sharded or split: gathered, on rank 0
     rank0_writes(d, kit.final_label, lambda: kit.save_final(kit.model, step, whole))
     if cfg.plot:
-        history = result.progress.history
+        history = progress.history
         draw = functools.partial(loss_figure, cfg=cfg, history=history)
         outputs.append(
             rank0_then_share(d, "could not write the loss plot", lambda: write_figure(cfg, "loss.png", draw))
         )
     outputs.append(trace_file)
     if cfg.plot and trace_file:
-        draw = functools.partial(timeline_figure, cfg=cfg, ranks=result.trace)
+        draw = functools.partial(timeline_figure, cfg=cfg, ranks=hooks.trace)
         outputs.append(
             rank0_then_share(d, "could not draw the timeline", lambda: write_figure(cfg, "timeline.png", draw))
         )
     write_memory = functools.partial(
-        atomic_write, cfg.output_dir / "memory.json", json.dumps(result.memory, indent=1).encode()
+        atomic_write, cfg.output_dir / "memory.json", json.dumps(hooks.memory, indent=1).encode()
     )
     rank0_then_share(d, "could not write memory.json", write_memory)
     outputs = [p for p in [*outputs, cfg.output_dir / "memory.json"] if p]
@@ -6462,8 +6449,8 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
             say(sample_saved_model(kit, cfg, outputs[0]))
         if cfg.metrics_file:
             outputs.append(cfg.metrics_file)
-        print_summary(cfg, d, result, time.perf_counter() - started, outputs)
-        say(describe_memory(cfg, d, result.memory))
+        print_summary(cfg, d, hooks, progress, time.perf_counter() - started, outputs)
+        say(describe_memory(cfg, d, hooks.memory))
 
 
 def sample_saved_model(kit: ModelKit, cfg: RunConfig, path: Path) -> str:
