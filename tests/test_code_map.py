@@ -15,7 +15,7 @@ LINES = SOURCE.splitlines()
 TEACHING_CORE_LINES = 1600  # the loop's end: after the settings, ranks, the byte data, the model and the sync
 # Line budgets. The redesign's targets are 4,500 lines in all, 1,900 above the banner, no class there over 220;
 # until it lands these ceilings only fall, and an issue that adds lines raises them by exactly what it states.
-SCRIPT_LINES, CORE_LINES, CORE_CLASS_LINES = 6600, 2600, 220
+SCRIPT_LINES, CORE_LINES, CORE_CLASS_LINES = 6580, 2575, 220
 BANNER = next(i for i, line in enumerate(LINES, 1) if line.startswith("# ====="))
 
 
