@@ -2637,7 +2637,7 @@ def layer_names(text: str) -> tuple[str, ...]:
     return names
 
 
-READERS = {"layer names": layer_names, "fault plan": fault_plan}  # what section 1's flags name by these words
+READERS = {"layer names": layer_names, "fault plan": fault_plan}  # what RunConfig's flags name by these words
 
 
 class _Parser(argparse.ArgumentParser):
