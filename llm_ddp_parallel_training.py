@@ -5138,7 +5138,7 @@ class SideWork(Hooks):
     """Everything train() does besides the DDP steps, at its Hooks: resume and the header, the phase timer
     (--time-breakdown), the timeline, faults on purpose, the first step's gradient check, --inspect,
     --verify-sync, stop requests, evaluation, progress and metrics, checkpoints, and the memory table.
-    With their flags off, the calls cost nothing (docs/performance.md reads the phase timer)."""
+    With their flags off, the calls cost nothing (docs/training.md reads the phase timer)."""
 
     PHASES = ("data", "forward", "backward", "sync", "optimizer")
 
