@@ -536,10 +536,8 @@ class Examples(Dataset):
 
 @dataclass(frozen=True)
 class Lines:
-    """A corpus of lines for the byte model, as the one byte stream packed_stream would make of
-    them, b"\\n" + b"\\n".join(lines) + b"\\n": the bytes are the tokens. Line i is
-    stream[edges[i] + 1 : edges[i + 1]], framed by the newlines at edges[i] and edges[i + 1].
-    `chosen` marks the lines this set uses (training or held out), kept in file order."""
+    """A corpus of lines for the byte model, as one byte stream (packed_stream): the bytes are the tokens. Line i
+    is stream[edges[i] + 1 : edges[i + 1]], between two newlines; `chosen` marks the lines this set uses."""
 
     stream: np.ndarray  # uint8: in memory, or a view of the token cache's file (FileArray)
     edges: np.ndarray  # (N + 1,) the framing newlines' positions
@@ -1034,8 +1032,11 @@ class Wrapper(Layout, nn.Module):
     def __init__(self, module: nn.Module, split: ModelSplit | None = None) -> None:
         super().__init__()
         self.module, self.split = module, split or ModelSplit()
-        self.all_reduces_buckets = split is None  # one process: none, counted as none; a split model alone: none
         self.require_sync = True  # False inside no_sync(): gradients accumulate, nothing travels
+
+    @property
+    def all_reduces_buckets(self) -> bool:
+        return self.split.holds_all  # one process: none, counted as none; a model split over every rank: none
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -1120,11 +1121,12 @@ class ManualDDP(Wrapper):
        splitting (split_model) the replicas are the ranks of the data-parallel group.
     """
 
+    all_reduces_buckets = True
+
     def __init__(self, module: nn.Module, d: Dist, bucket_mb: float, stats: CommStats,
                  split: ModelSplit | None = None) -> None:  # fmt: skip
         super().__init__(module, split)
         self.world_size, self.stats, self.group = d.dp, stats, d.group("dp")
-        self.all_reduces_buckets = True
         start_equal(module, self.group)
         self.buckets: list[Bucket] = []
         self.place: dict[nn.Parameter, tuple[Bucket, int]] = {}
@@ -1918,11 +1920,7 @@ class TorchFSDP(Wrapper):
     """torch's fully_shard (FSDP2) on the same units. Its parameters are DTensors, each rank holding
     a block of rows, which DTensor's own full_tensor gathers whole."""
 
-    gathers_in_forward = True
-
-    def __init__(self, root: nn.Module, split: ModelSplit | None = None) -> None:
-        super().__init__(root, split)
-        self.all_reduces_buckets = False
+    gathers_in_forward, all_reduces_buckets = True, False
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -1972,17 +1970,15 @@ class TorchFSDP(Wrapper):
 
 
 class TorchReplicated(TorchFSDP):
-    """torch's data parallelism for a tensor-parallel model: its DDP takes no DTensor parameter, and
-    torch's replicate (FSDP's machinery, the weights kept whole along the replicas) does. It answers
-    as fully_shard's wrapper does, but no forward gathers anything."""
+    """torch's data parallelism for a tensor-parallel model: replicate (FSDP's machinery, weights whole along the
+    replicas) takes DTensor parameters, which its DDP does not. No forward gathers anything."""
 
     gathers_in_forward = False
 
 
 def shard_fully(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats, split: ModelSplit | None = None) -> Wrapper:
-    """FSDP units: each Transformer block, then the rest (embeddings, final norm, head) as the root
-    unit. Tied embedding and head weights are one tensor, so they must share a unit: the root.
-    Under tensor parallelism (torch's 2-D recipe) the slices are sharded along the replicas."""
+    """FSDP units: each block, then the rest as the root unit (tied embedding and head weights must share one);
+    under tensor parallelism (torch's 2-D recipe) the slices are sharded along the replicas."""
     units = [*kit.blocks, kit.trained]
     if cfg.ddp == "manual":
         return ManualFSDP(kit.trained, d, units, stats=stats)
@@ -2062,9 +2058,8 @@ def tensor_parallel_sum(t: torch.Tensor, group: dist.ProcessGroup, stats: CommSt
 
 
 class CopyToTensorParallel(torch.autograd.Function):
-    """Megatron's f: the identity in forward (every rank of the group holds the same input), an
-    all-reduce in backward: each rank's slice of the layer sends back its own part of the input's
-    gradient, and the input needs their sum."""
+    """Megatron's f: the identity in forward (every rank holds the same input), an all-reduce in backward: each
+    rank's slice sends back its own part of the input's gradient, and the input needs their sum."""
 
     @staticmethod
     def forward(ctx: object, x: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None) -> torch.Tensor:
@@ -2139,10 +2134,9 @@ def model_order(weight: torch.Tensor, parts: int, n: int) -> torch.Tensor:
 
 @contextlib.contextmanager
 def own_dropout_stream(tp_rank: int) -> Iterator[None]:
-    """Megatron's rule for dropout under tensor parallelism: an activation every rank of the group
-    holds alike (the residual stream) draws the same mask on each, from the same seed; a sliced one
-    (this rank's own attention heads) draws its own. Its seed comes from the shared stream, so the
-    ranks stay in step, and a checkpoint's random state resumes it."""
+    """Megatron's rule for dropout under tensor parallelism: an activation the group holds alike draws the same
+    mask on each rank; a sliced one (this rank's own heads) its own, seeded from the shared stream, so the ranks
+    stay in step and a checkpoint's random state resumes it."""
     seed = int(torch.randint(2**62, ()))  # the same on every rank of the group
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
         torch.manual_seed(seed + tp_rank)
@@ -2325,8 +2319,11 @@ class Pipeline(PipelineState, Wrapper):
         self.d, self.cfg, self.stats = d, cfg, stats
         self.group, self.ranks = d.group("pp"), dist.get_process_group_ranks(d.group("pp"))
         self.sync = ManualDDP(model, d, cfg.bucket_mb, stats, self.split) if d.dp > 1 else None
-        self.all_reduces_buckets = self.sync is not None
         self.in_flight: list[tuple[dist.Work, object, dict]] = []  # sends not yet seen done
+
+    @property
+    def all_reduces_buckets(self) -> bool:
+        return self.sync is not None  # the stage's replicas average its gradients in DDP's buckets
 
     def padded(self, batch: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """Every micro-batch at --seq-len: the stages exchange activations of one shape."""
@@ -2519,7 +2516,9 @@ def plain_reading(metadata: dict) -> dict:
 def core_settings(argv: list[str] | None = None) -> RunConfig:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description="The teaching core alone: the tiny model on the corpus, across the "
-                                     "ranks torchrun starts", allow_abbrev=False)  # fmt: skip
+                                     "ranks torchrun starts. It acts on " + ", ".join("--" + name.replace("_", "-") for
+                                     name in CORE_SETTINGS) + "; any other flag is named and ignored",
+                                     allow_abbrev=False)  # fmt: skip
     parser = add_flags(parser, plain_reading)
     args, typed = parser.parse_args(argv), {word.split("=", 1)[0] for word in argv if word.startswith("--")}
     ignored = [s for s in fields(RunConfig) if s.name not in CORE_SETTINGS]
@@ -2547,6 +2546,8 @@ def run_core(argv: list[str] | None = None) -> None:
     launched this process, setup_distributed connects it, and train() shards the data (DistributedSampler),
     trains, and syncs the gradients every step; rank 0 saves the model, gathered whole where it is cut."""
     cfg = core_settings(argv)
+    if not cfg.corpus_file.is_file():
+        raise SystemExit(f"error: corpus file not found: {cfg.corpus_file} (core.py reads corpus.txt beside it)")
     torch.set_flush_denormal(True)  # denormal gradients (after ~100 steps) run in slow microcode on x86 CPUs
     d = setup_distributed(cfg)  # torchrun launched this process; it joins the others
     try:
@@ -4525,6 +4526,8 @@ def check_lora_targets(model: nn.Module, targets: tuple[str, ...]) -> None:
 def describe_gradient_sync(cfg: RunConfig, d: Dist) -> str:
     if not d.distributed:
         return "none (one process: its gradient is already the whole batch's)"
+    if d.dp == 1:
+        return "none (one replica, split over every rank: no other replica to average with)"
     if cfg.sharding == "full":
         how = "torch's fully_shard (FSDP2)" if cfg.ddp == "torch" else "manual FSDP (from scratch)"
         return f"{how}: weights all-gathered per unit, gradients reduce-scattered to their shards"
