@@ -285,6 +285,9 @@ class RunConfig:
 
     prompt: str = flag("Each rank", "text the trained model continues", "sample")
     sample_tokens: int = flag(120, "length of the sample", within=POSITIVE)
+    merge_lora: str | None = flag(None, "write OUTPUT_DIR/merged, LoRA adapters merged into their base model: "
+                                  "after training, or from ADAPTER_DIR alone", nargs="?", const="",
+                                  metavar="ADAPTER_DIR")  # fmt: skip
 
 
 # What the teaching core acts on when it runs alone (run_core); the full script acts on every setting.
@@ -536,8 +539,7 @@ class Examples(Dataset):
 
 @dataclass(frozen=True)
 class Lines:
-    """A corpus of lines for the byte model, as one byte stream (packed_stream): the bytes are the tokens. Line i
-    is stream[edges[i] + 1 : edges[i + 1]], between two newlines; `chosen` marks the lines this set uses."""
+    """Lines as one byte stream (packed_stream), the bytes the tokens: line i is stream[edges[i] + 1 : edges[i + 1]]."""
 
     stream: np.ndarray  # uint8: in memory, or a view of the token cache's file (FileArray)
     edges: np.ndarray  # (N + 1,) the framing newlines' positions
@@ -2725,6 +2727,8 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         raise UsageError(why)
     if cfg.tp * cfg.pp > 1 and (why := cannot_split(cfg)):
         raise UsageError(why)
+    if cfg.merge_lora is not None and (why := cannot_merge(cfg)):
+        raise UsageError(why)
     try:  # found now, not after hours of training when the sample is printed
         cfg.prompt.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -4247,6 +4251,34 @@ def reload_pretrained(cfg: RunConfig, dtype: torch.dtype, device: torch.device, 
     return PeftModel.from_pretrained(base, path).to(device)
 
 
+def cannot_merge(cfg: RunConfig) -> str | None:
+    """What --merge-lora cannot do, named before anything runs."""
+    if not cfg.merge_lora:
+        return None if cfg.model == "hf" and cfg.finetune == "lora" else (
+            "--merge-lora merges the LoRA adapters this run trains: it needs --model hf and --finetune lora, or an "
+            "adapter folder to merge (--merge-lora ADAPTER_DIR)")  # fmt: skip
+    if cfg.nproc or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return "--merge-lora ADAPTER_DIR runs as one process: leave out --nproc and torchrun"
+    if not (Path(cfg.merge_lora) / "adapter_config.json").is_file():
+        return f"--merge-lora {cfg.merge_lora}: no adapter_config.json there; name the folder a LoRA run wrote"
+    return None
+
+
+def merge_adapters(cfg: RunConfig, adapter: Path) -> Path:
+    """OUTPUT_DIR/merged: the adapters folded into their base's weights (PEFT's merge_and_unload), saved with the
+    adapter folder's tokenizer and chat template: a plain folder that from_pretrained loads without PEFT."""
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoTokenizer
+
+    quiet_transformers()
+    options = {"trust_remote_code": cfg.trust_remote_code}
+    merged = AutoPeftModelForCausalLM.from_pretrained(adapter, dtype="auto", **options).merge_and_unload()
+    with atomic_directory(cfg.output_dir / "merged") as tmp:
+        merged.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(adapter, **options).save_pretrained(tmp)
+    return cfg.output_dir / "merged"
+
+
 def add_lora(cfg: RunConfig, model: nn.Module) -> nn.Module:
     from peft import LoraConfig, get_peft_model  # imported here: the tiny path never pays for it
 
@@ -4403,13 +4435,19 @@ def load_tokenizer(cfg: RunConfig, folder: Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def load_pretrained(cfg: RunConfig, d: Dist, dtype: torch.dtype) -> tuple[PreTrainedTokenizerBase, nn.Module]:
-    """Tokenizer and model from a local folder (see resolve_model_files), onto this rank's device."""
+def quiet_transformers() -> None:
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # one bar per rank is noise, not news
     # peft and FSDP read a property transformers 5 renamed: a warning no user of this script can act on.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+
+
+def load_pretrained(cfg: RunConfig, d: Dist, dtype: torch.dtype) -> tuple[PreTrainedTokenizerBase, nn.Module]:
+    """Tokenizer and model from a local folder (see resolve_model_files), onto this rank's device."""
+    import transformers
+
+    quiet_transformers()
     # flash_attention_2 runs on CUDA only, from the flash-attn package: said before loading, not after.
     if cfg.attn_implementation == "flash_attention_2" and d.device.type != "cuda":
         raise UsageError("--attn-implementation flash_attention_2 needs a CUDA GPU; use sdpa (the default) or eager")
@@ -6425,6 +6463,8 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
     outputs = [cfg.output_dir / kit.final_name]
     whole = whole_state_dict(model, d, kit.model)  # sharded or split: gathered, on rank 0
     rank0_writes(d, kit.final_label, lambda: kit.save_final(kit.model, step, whole))
+    if cfg.merge_lora is not None:  # from the adapters just saved, whatever the layout that trained them
+        outputs.append(rank0_writes(d, "the merged model", lambda: merge_adapters(cfg, outputs[0])))
     if cfg.plot:
         history = progress.history
         draw = functools.partial(loss_figure, cfg=cfg, history=history)
@@ -6558,6 +6598,10 @@ def main(argv: list[str] | None = None) -> None:
     cfg = d = None
     try:
         cfg = parse_args(argv)
+        if cfg.merge_lora:  # an adapter folder given: merge it, and nothing else
+            OUTPUT_LOCK.hold(cfg.output_dir)
+            say(f"[save] the merged model: {merge_adapters(cfg, Path(cfg.merge_lora))}")
+            return
         refuse_missing_inputs(cfg)
         if cfg.nproc:
             raise SystemExit(launch_local_ranks(cfg, sys.argv[1:] if argv is None else list(argv)))
