@@ -2682,7 +2682,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
         "and many machines.",
         formatter_class=_HelpFormatter,
     )
-    return add_flags(parser, checked_reading)
+    add_flags(parser, checked_reading)
+    run_group = next(g for g in parser._action_groups if g.title == "run")
+    run_group.add_argument("--config", type=Path, metavar="FILE", help="YAML settings, keys named as the flags "
+                           "(max_steps or max-steps); the command line overrides them. Each run writes its own, "
+                           "resolved, as OUTPUT_DIR/config.yaml: --config with it repeats the run")  # fmt: skip
+    return parser
 
 
 def checked_reading(metadata: dict) -> dict:
@@ -2695,10 +2700,69 @@ def checked_reading(metadata: dict) -> dict:
     return metadata
 
 
+def config_words(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """The settings of --config FILE as command-line words, to stand before the command line's own."""
+    pre = _Parser(add_help=False)
+    pre.add_argument("--config", type=Path)
+    if (path := pre.parse_known_args(argv)[0].config) is None:
+        return []
+    try:
+        import yaml
+    except ImportError:
+        raise UsageError("--config reads YAML: pip install pyyaml") from None
+    try:
+        settings = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except OSError as e:
+        raise UsageError(f"--config {path}: {e.strerror}") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise UsageError(f"--config {path}: not YAML ({' '.join(str(e).split())})") from None
+    if not isinstance(settings, dict):
+        raise UsageError(f"--config {path}: expected one `name: value` line per setting")
+    actions = {a.dest.replace("_", "-"): a for a in parser._actions if a.dest not in ("help", "config")}
+    words = []
+    for key, value in settings.items():
+        if (action := actions.get(str(key).replace("_", "-"))) is None:
+            close = get_close_matches(str(key).replace("_", "-"), list(actions), 1)
+            meant = f"; did you mean {close[0]}?" if close else ""
+            raise UsageError(f"--config {path}: unknown setting {key}{meant}")
+        flag = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            words += [flag if value else "--no-" + flag[2:]] if value is not None else []
+        elif action.nargs == 0:
+            words += [flag] if value else []
+        elif value is not None:
+            words += [flag, ",".join(map(str, value)) if isinstance(value, list) else str(value)]
+    return words
+
+
+def write_settings(cfg: RunConfig) -> Path | None:
+    """OUTPUT_DIR/config.yaml: every setting as this run resolved it (the other model's left out), for --config."""
+    try:
+        import yaml
+    except ImportError:
+        return say("[settings] OUTPUT_DIR/config.yaml not written: pip install pyyaml")
+
+    title = TINY_GROUP if cfg.model == "hf" else PRETRAINED_GROUP
+    other = {a.dest for g in build_arg_parser()._action_groups if g.title == title for a in g._group_actions}
+    settings = {}
+    skip = other | ({"max_steps"} if cfg.max_steps == 0 else set())  # 0: no cap, which --epochs settles later
+    for name, value in ((f.name, getattr(cfg, f.name)) for f in fields(cfg) if f.name not in skip):
+        if isinstance(value, FaultPlan):
+            value = f"{value.rank}:{value.step}:{value.kind}"
+        if value is not None or name == "cache_dir":  # no cache: "none", as the flag spells it
+            settings[name] = "none" if value is None else str(value) if isinstance(value, Path) else (
+                ",".join(value) if isinstance(value, tuple) else value)  # fmt: skip
+    path = cfg.output_dir / "config.yaml"
+    atomic_write(path, yaml.safe_dump(settings, sort_keys=False, allow_unicode=True).encode())
+    return path
+
+
 def parse_args(argv: list[str] | None = None) -> RunConfig:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_arg_parser()
+    argv = [*config_words(parser, argv), *argv]  # the file's settings first: the command line overrides them
     args = parser.parse_args(argv)
+    del args.config
     args.model = MODEL_ALIASES.get(args.model, args.model)
     # Each model's flags are refused with the other, which would ignore them, when the command line spells them out.
     group, meant_for, ignored_by, fix = {
@@ -5212,6 +5276,7 @@ class SideWork(Hooks):
         progress = resume_training(resume, model, named_params, optimizer, self.scaler, d) if resume else Progress()
         announce_run(cfg, d, sampler, steps_per_epoch, self.precision, model, optimizer, named_params)
         self.saver = StateSaver(cfg, d, self.settings, progress.step if resume else None)
+        rank0_writes(d, "the settings", lambda: write_settings(cfg))  # training starts: nothing refused it
         self.reporter = Reporter(cfg, d, self.kit, progress, self.precision, steps_per_epoch)
         return progress
 

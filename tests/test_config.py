@@ -1,0 +1,88 @@
+"""--config FILE: settings from YAML, keys named as the flags, the command line over them; an unknown key or a
+file that holds no settings refused in one line; and OUTPUT_DIR/config.yaml, which every run writes as training
+starts and which --config takes back to repeat the run bit for bit (a refused run writes none)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from conftest import assert_bitwise_equal, assert_ok, launch, weights
+
+import llm_ddp_parallel_training as t
+
+
+def settings(tmp_path, text: str) -> str:
+    path = tmp_path / "settings.yaml"
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def test_a_config_files_settings_reach_the_run_and_the_command_line_overrides_them(tmp_path):
+    path = settings(tmp_path, "max_steps: 9\nseq-len: 64\nlr: 1e-3\nplot: true\npack: false\n")
+    cfg = t.parse_args(["--config", path, "--max-steps", "11"])
+    assert (cfg.max_steps, cfg.seq_len, cfg.lr, cfg.plot, cfg.pack) == (11, 64, 1e-3, True, False)
+    assert cfg.min_lr == 1e-4, "a default decided later follows the file's settings, as it follows the flags"
+
+
+def test_a_config_file_is_read_as_the_flags_are_with_their_ranges_and_refusals(tmp_path):
+    cfg = t.parse_args(["--config", settings(tmp_path, "model: hf\nlora_targets: [q_proj, k_proj]\n")])
+    assert cfg.lora_targets == ("q_proj", "k_proj")
+    with pytest.raises(t.UsageError, match=r"^argument --seq-len: must be a positive integer, got 0$"):
+        t.parse_args(["--config", settings(tmp_path, "seq_len: 0\n")])
+    with pytest.raises(t.UsageError, match=r"^--d-model 128 is for the tiny model \(--model tiny\)"):
+        t.parse_args(["--config", settings(tmp_path, "d_model: 128\n"), "--model", "hf"])
+
+
+@pytest.mark.parametrize(
+    ("text", "refusal"),
+    [
+        ("max_stepz: 3\n", "unknown setting max_stepz; did you mean max-steps?"),
+        ("- max_steps\n", "expected one `name: value` line per setting"),
+        ("max_steps: [3\n", "not YAML (while parsing a flow sequence"),
+    ],
+)
+def test_a_file_that_holds_no_settings_of_ours_is_refused_in_one_line(tmp_path, text, refusal):
+    path = settings(tmp_path, text)
+    with pytest.raises(t.UsageError) as refused:
+        t.parse_args(["--config", path])
+    assert str(refused.value).startswith(f"--config {path}: {refusal}") and "\n" not in str(refused.value)
+
+
+def test_a_missing_config_file_is_refused_in_one_line(tmp_path):
+    with pytest.raises(t.UsageError, match=r"^--config .*nope\.yaml: No such file or directory$"):
+        t.parse_args(["--config", str(tmp_path / "nope.yaml")])
+
+
+def test_without_pyyaml_config_names_the_package_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "yaml", None)  # import yaml now fails, as where it is not installed
+    with pytest.raises(t.UsageError, match=r"^--config reads YAML: pip install pyyaml$"):
+        t.parse_args(["--config", settings(tmp_path, "max_steps: 3\n")])
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--cpu", "--max-steps", "7", "--no-pack", "--inject-fault", "1:3:nan", "--cache-dir", "none", "--plot"],
+        ["--model", "hf", "--lora-targets", "q_proj,k_proj", "--merge-lora", "--metrics-file", "m.jsonl"],
+        ["--epochs", "2", "--pp", "2", "--ddp", "manual", "--trace-steps", "3"],
+    ],
+)
+def test_every_setting_written_to_config_yaml_reads_back_as_the_same_settings(tmp_path, argv):
+    cfg = t.parse_args([*argv, "--output-dir", str(tmp_path)])
+    assert t.parse_args(["--config", str(t.write_settings(cfg))]) == cfg
+
+
+def test_a_run_writes_config_yaml_which_repeats_it_bit_for_bit_and_a_refused_run_writes_none(tmp_path):
+    first = launch(["--cpu", "--max-steps", "4", "--seq-len", "32", "--d-model", "32", "--output-dir",
+                    str(tmp_path / "first")])  # fmt: skip
+    assert_ok(first)
+    written = tmp_path / "first" / "config.yaml"
+    assert f"[save] the settings: {written}" in first.stdout
+    again = launch(["--config", str(written), "--output-dir", str(tmp_path / "again")])
+    assert_ok(again)
+    assert_bitwise_equal(weights(tmp_path / "first"), weights(tmp_path / "again"), "repeated from config.yaml")
+    before = written.read_bytes()
+    refused = launch(["--config", str(written), "--lr", "0.1"])  # into the first run's folder: its model stays
+    assert refused.returncode == 2 and "already holds a finished run's model" in refused.stderr
+    assert written.read_bytes() == before, "a refused run leaves the settings it did not train with unwritten"
