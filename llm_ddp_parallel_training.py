@@ -2745,7 +2745,7 @@ def write_settings(cfg: RunConfig) -> Path | None:
     title = TINY_GROUP if cfg.model == "hf" else PRETRAINED_GROUP
     other = {a.dest for g in build_arg_parser()._action_groups if g.title == title for a in g._group_actions}
     settings = {}
-    skip = other | ({"max_steps"} if cfg.max_steps == 0 else set())  # 0: no cap, which --epochs settles later
+    skip = other | {"nproc"} | ({"max_steps"} if cfg.max_steps == 0 else set())  # the launch is the command's
     for name, value in ((f.name, getattr(cfg, f.name)) for f in fields(cfg) if f.name not in skip):
         if isinstance(value, FaultPlan):
             value = f"{value.rank}:{value.step}:{value.kind}"
