@@ -5904,7 +5904,7 @@ def atomic_directory(path: Path) -> Iterator[Path]:
 def describe_error(error: BaseException) -> str:
     """One line for any exception: an OSError in its own words, anything else by type and text."""
     if isinstance(error, OSError):
-        return str(error)
+        return " ".join(str(error).split())  # the hub's errors run over several lines
     return f"{type(error).__name__}: {first_line(error)}"
 
 
@@ -6665,7 +6665,10 @@ def main(argv: list[str] | None = None) -> None:
         cfg = parse_args(argv)
         if cfg.merge_lora:  # an adapter folder given: merge it, and nothing else
             OUTPUT_LOCK.hold(cfg.output_dir)
-            say(f"[save] the merged model: {merge_adapters(cfg, Path(cfg.merge_lora))}")
+            try:
+                say(f"[save] the merged model: {merge_adapters(cfg, Path(cfg.merge_lora))}")
+            except Exception as e:  # its base gone, a damaged file, a full disk: one line, as a run's failures
+                raise TrainingError(f"could not merge {cfg.merge_lora}: {describe_error(e)}") from None
             return
         refuse_missing_inputs(cfg)
         if cfg.nproc:

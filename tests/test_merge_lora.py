@@ -5,6 +5,8 @@ folder merged alone, without training; and what cannot be merged, refused in one
 from __future__ import annotations
 
 import importlib.util
+import json
+import shutil
 import subprocess
 import sys
 
@@ -98,3 +100,15 @@ def test_an_adapter_folder_is_merged_by_one_process_only(trained):
     with pytest.raises(t.UsageError) as refused:
         t.parse_args(["--merge-lora", str(out / "qwen_lora"), "--nproc", "2"])
     assert str(refused.value) == "--merge-lora ADAPTER_DIR runs as one process: leave out --nproc and torchrun"
+
+
+def test_an_adapter_whose_base_is_gone_fails_in_one_line_and_leaves_nothing(trained, tmp_path):
+    _, out = trained
+    adapter = tmp_path / "adapter"
+    shutil.copytree(out / "qwen_lora", adapter)
+    config = json.loads((adapter / "adapter_config.json").read_text()) | {"base_model_name_or_path": "gone/base"}
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    failed = launch(["--merge-lora", str(adapter), "--output-dir", str(tmp_path / "nothing")], timeout=120)
+    assert failed.returncode == 1
+    assert failed.stderr.strip().startswith(f"error: could not merge {adapter}: ") and "\n" not in failed.stderr.strip()
+    assert not (tmp_path / "nothing").exists(), "a failed merge leaves no folder behind"
