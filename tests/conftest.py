@@ -245,6 +245,7 @@ LONGEST_FIRST = [
     "test_more_ranks.py",
     "test_nproc.py",
     "test_recovery.py",
+    "test_core_program.py",
     "test_new_user.py",
     "test_readme.py",
     "test_parallelism_resume.py",
