@@ -148,14 +148,27 @@ class Ranks:
         temporary = request.with_name(request.name + ".tmp")  # written whole, then renamed: never read in half
         temporary.write_text(json.dumps({"cwd": os.getcwd(), "jobs": jobs}))
         temporary.replace(request)
+        self.wake()
         results = [self.folder / f"call{number}.rank{r}.json" for r in range(self.nproc or 1)]
         self.wait_for(results, started + timeout, f"call {number}")
         ranks = [json.loads(path.read_text()) for path in results]
         return ranks, self.start_seconds + time.perf_counter() - started
 
+    def wake(self) -> None:
+        """A byte into each rank's FIFO: an idle rank waits in select() on it (tests/worker.py's next_call)."""
+        for r in range(self.nproc or 1):
+            try:
+                fd = os.open(self.folder / f"wake.rank{r}", os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:  # that rank has gone (ENXIO: nothing holds its FIFO open), or never came
+                continue
+            with contextlib.suppress(OSError):  # a full pipe holds enough bytes to wake it already
+                os.write(fd, b"!")
+            os.close(fd)
+
     def stop(self) -> None:
         if self.proc is not None:
             (self.folder / "stop").touch()
+            self.wake()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=10)
             with contextlib.suppress(ProcessLookupError):
@@ -232,6 +245,7 @@ LONGEST_FIRST = [
     "test_more_ranks.py",
     "test_nproc.py",
     "test_recovery.py",
+    "test_core_program.py",
     "test_new_user.py",
     "test_readme.py",
     "test_parallelism_resume.py",

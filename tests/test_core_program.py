@@ -1,5 +1,9 @@
 """The teaching core is a program of its own: the text above the banner, saved alone beside corpus.txt,
-trains under torchrun (or as one plain process) and writes the weights the full script writes."""
+trains under torchrun (or as one plain process) and writes the weights the full script writes.
+
+The core's runs are launches of their own (a program started as a user starts it is the subject); the
+full script's reference runs are jobs of a shared launch (conftest.run_jobs: the weights of a launch of
+their own, bit for bit)."""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, SCRIPT, TINY, assert_ok, launch, run_cmd, torchrun_cmd
+from conftest import REPO, SCRIPT, TINY, assert_ok, run_cmd, run_jobs, torchrun_cmd
 
 import llm_ddp_parallel_training as t
 
@@ -35,8 +39,10 @@ def weights(path):
 def test_the_core_alone_under_torchrun_writes_the_full_scripts_weights_bit_for_bit(core, tmp_path, flags):
     alone = run_cmd(torchrun_cmd(2, ["--cpu", *flags, "--output-dir", str(tmp_path / "core")], script=core), 240)
     assert_ok(alone)
-    full = launch(["--cpu", *flags, "--output-dir", str(tmp_path / "full"), "--val-fraction", "0"], 2, timeout=240)
-    assert_ok(full)
+    # The full script's weights: a job of a shared launch of 2 ranks (conftest.run_jobs), its subject being
+    # where the numbers land, not how the ranks were started (as test_recovery's uninterrupted run).
+    full_args = ["--cpu", *flags, "--output-dir", str(tmp_path / "full"), "--val-fraction", "0"]
+    assert_ok(run_jobs({"full": full_args}, nproc=2, timeout=240)["full"])
     steps = [int(line.split()[1]) for line in alone.stdout.splitlines() if line.startswith("step")]
     assert steps == list(range(1, int(flags[-1]) + 1)), "rank 0 prints every step's loss"
     mine, theirs = weights(tmp_path / "core" / t.TINY_FINAL), weights(tmp_path / "full" / t.TINY_FINAL)

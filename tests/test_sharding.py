@@ -16,7 +16,8 @@ Where the numbers land does not depend on how the ranks were started: every 2-ra
 subject is not the launch shares one launch of 2 Gloo ranks, and the one-process runs another
 (conftest.run_jobs, each through the script's own parse_args() and run(); their weights are bitwise
 those of a separate launch). A killed worker that torchrun restarts, a SIGTERM, a group of one that
---nproc 1 starts, and the ranks' own refusal under torchrun keep launches of their own.
+--nproc 1 starts, and the ranks' own refusal under torchrun keep launches of their own; the run that
+finishes after the SIGTERM is a job of the shared launch.
 """
 
 from __future__ import annotations
@@ -59,11 +60,6 @@ ADAMW = [*TINY, "--dropout", "0.1", "--batch-size", "2", "--grad-accum-steps", "
          "--max-steps", "20", "--save-every", "5", "--keep-last", "4", "--log-every", "1"]  # fmt: skip
 CLIP = 0.5
 CLIPPED = [*TINY, "--grad-clip", str(CLIP), "--max-steps", "5", "--log-every", "1"]
-
-
-def two_ranks(args: list[str], timeout: float = 120) -> Run:
-    """The script's own launcher, --nproc 2: the same ranks torchrun --standalone starts, started sooner."""
-    return launch([*args, "--nproc", "2"], timeout=timeout)
 
 
 def sharded(sharding: str, ddp: str) -> list[str]:
@@ -300,7 +296,7 @@ def test_optimizer_sharding_stops_on_sigterm_with_a_checkpoint_and_the_same_comm
     assert "[stop] SIGTERM: every rank stopped after step" in output, output
     stopped_at = int(output.split("stopped after step ")[1].split(";")[0])
     assert 3 <= stopped_at < 20 and (checkpoint(tmp_path, stopped_at) / "manifest.json").exists()
-    assert_ok(two_ranks(args))
+    assert_ok(run_jobs({"the same command": args}, nproc=2)["the same command"])  # a job: where the numbers land
     assert_bitwise_equal(weights(adamw_runs["optimizer", "manual"]), weights(tmp_path), f"stopped at {stopped_at}")
 
 

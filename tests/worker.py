@@ -16,7 +16,8 @@ output only, and its time. (Only what a process prints through sys.stdout and sy
 captured; the stop machinery's raw writes are not, and tests of signals launch their own runs.) A
 job's "runner" names the module whose run_job runs it: this one, or one that adds probes
 (tests/probe_worker.py, tests/parallelism_worker.py, tests/sharding_api_worker.py). FOLDER/stop
-(or the test process, PARENT_PID, gone) ends the launch.
+(or the test process, PARENT_PID, gone) ends the launch. An idle rank waits on its FIFO,
+FOLDER/wake.rank<R>, into which the test process writes a byte after each call file and the stop.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import importlib
 import io
 import json
 import os
+import select
 import sys
 import time
 from pathlib import Path
@@ -38,7 +40,11 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import llm_ddp_parallel_training as t
 
-POLL_S = 0.05  # how often an idle rank looks for the next call (a launch that waits costs next to no CPU)
+# An idle rank sleeps in select() on its FIFO (FOLDER/wake.rank<R>), which the test process writes a byte
+# into after each call it writes and when it asks the launch to end (conftest.Ranks.wake): woken at once, and
+# otherwise up only once a LOOK_S to see whether the test process has gone. (It used to look for the next call
+# every 50 ms: 0.3 % of a core per idle rank, with a dozen ranks idle for most of a test session.)
+LOOK_S = 1.0
 
 
 def run_job(args: list[str], d: t.Dist) -> int:
@@ -77,24 +83,29 @@ def serve_call(call: dict, number: int, d: t.Dist) -> dict:
         # flight, not at a random point of a later job, where a rank once aborted ("terminate called
         # without an active exception": the hazard teardown_distributed guards against at exit).
         gc.collect()
+        # What survived is kept for good (torch, the lazily imported modules, the script's own state): frozen,
+        # the next job's collection looks at that job's objects alone. Unfrozen, each collection walked every
+        # object of every import again, 0.1-0.3 s a job on each rank (a third of a tiny job's time).
+        gc.freeze()
         if d.distributed:
             dist.barrier()
     return results
 
 
-def next_call(folder: Path, number: int, parent: int) -> dict | None:
-    """Wait for call <number>; None once the test process asks the launch to end, or has gone."""
-    path, checked = folder / f"call{number}.json", time.monotonic()
+def next_call(folder: Path, number: int, parent: int, wake: int) -> dict | None:
+    """Wait for call <number>; None once the test process asks the launch to end, or has gone. `wake`: this
+    rank's FIFO, open for reading and writing (so that it never reads as closed, and select() blocks on it)."""
+    path = folder / f"call{number}.json"
     while not path.exists():
         if (folder / "stop").exists():
             return None
-        if time.monotonic() - checked > 1:
-            checked = time.monotonic()
-            try:
-                os.kill(parent, 0)
-            except ProcessLookupError:
-                return None
-        time.sleep(POLL_S)
+        try:
+            os.kill(parent, 0)
+        except ProcessLookupError:
+            return None
+        if select.select([wake], [], [], LOOK_S)[0]:
+            with contextlib.suppress(BlockingIOError):
+                os.read(wake, 4096)  # the bytes only wake; the files say what to do
     return json.loads(path.read_text())
 
 
@@ -110,9 +121,13 @@ def main(folder: str, parent: str) -> None:
     os.environ.pop("TORCHELASTIC_ERROR_FILE", None)  # a job's error is its result, not the worker's
     folder = Path(folder)
     d = t.setup_distributed(t.parse_args(["--cpu", "--timeout-s", "120"]))
+    gc.freeze()  # the imports: no job's collection need look at them (serve_call)
+    fifo = folder / f"wake.rank{d.rank}"
+    os.mkfifo(fifo)
+    wake = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
     write_atomically(folder / f"ready.rank{d.rank}", "")
     number = 0
-    while (call := next_call(folder, number, int(parent))) is not None:
+    while (call := next_call(folder, number, int(parent), wake)) is not None:
         write_atomically(folder / f"call{number}.rank{d.rank}.json", json.dumps(serve_call(call, number, d)))
         number += 1
     t.teardown_distributed()
