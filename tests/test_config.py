@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-from conftest import assert_bitwise_equal, assert_ok, launch, weights
+from conftest import assert_bitwise_equal, assert_ok, launch, run_jobs, weights
 
 import llm_ddp_parallel_training as t
 
@@ -74,12 +74,14 @@ def test_every_setting_written_to_config_yaml_reads_back_as_the_same_settings(tm
 
 
 def test_a_run_writes_config_yaml_which_repeats_it_bit_for_bit_and_a_refused_run_writes_none(tmp_path):
-    first = launch(["--cpu", "--max-steps", "4", "--seq-len", "32", "--d-model", "32", "--output-dir",
-                    str(tmp_path / "first")])  # fmt: skip
+    # The run and its repeat are jobs of a shared launch (conftest.run_jobs): their subject is where the
+    # numbers land; the refused run, whose subject is its exit, is a launch of its own.
+    args = ["--cpu", "--max-steps", "4", "--seq-len", "32", "--d-model", "32", "--output-dir", str(tmp_path / "first")]
+    first = run_jobs({"first": args})["first"]
     assert_ok(first)
     written = tmp_path / "first" / "config.yaml"
     assert f"[save] the settings: {written}" in first.stdout
-    again = launch(["--config", str(written), "--output-dir", str(tmp_path / "again")])
+    again = run_jobs({"again": ["--config", str(written), "--output-dir", str(tmp_path / "again")]})["again"]
     assert_ok(again)
     assert_bitwise_equal(weights(tmp_path / "first"), weights(tmp_path / "again"), "repeated from config.yaml")
     before = written.read_bytes()

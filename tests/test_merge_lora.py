@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import assert_ok, child_env, launch
+from conftest import assert_ok, child_env, launch, run_jobs
 
 import llm_ddp_parallel_training as t
 
@@ -21,12 +21,13 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason
 
 @pytest.fixture(scope="module")
 def trained(tiny_qwen, tmp_path_factory):
-    """A 2-rank LoRA run (torch's DDP) that merges its adapters at the end."""
+    """A 2-rank LoRA run (torch's DDP) that merges its adapters at the end: a job of the shared 2-rank launch
+    (conftest.run_jobs), its subject being what the run writes, not how its ranks were started."""
     out = tmp_path_factory.mktemp("merge") / "run"
     args = ["--model", "hf", "--model-name-or-path", str(tiny_qwen), "--cpu", "--output-dir", str(out),
             "--batch-size", "4", "--seq-len", "32", "--sample-tokens", "8", "--lr", "1e-2", "--max-steps", "3",
             "--merge-lora"]  # fmt: skip
-    return launch(args, nproc=2, timeout=300), out
+    return run_jobs({"merge": args}, nproc=2, timeout=300)["merge"], out
 
 
 def test_a_lora_run_with_merge_lora_writes_a_plain_transformers_folder(trained):
