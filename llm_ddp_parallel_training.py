@@ -3657,7 +3657,7 @@ def first_records(cfg: RunConfig, n: int) -> list[Record]:
     return records
 
 
-def show_examples(cfg: RunConfig, d: Dist, records: list[Record]) -> None:
+def print_examples(cfg: RunConfig, d: Dist, records: list[Record]) -> None:
     """--show-examples: the first records as the model will see them, each target run in [[ ]]."""
     if cfg.model == "hf":
         tokenizer = load_tokenizer(cfg, resolve_model_files(cfg, d))
@@ -6481,7 +6481,7 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
         log(d, f"[run] warning: {d.local_world_size} ranks on this machine share its {cores} CPU core(s): each "
                f"computes at a fraction of a core's speed; {cores} or fewer ranks train faster")  # fmt: skip
     if cfg.show_examples:
-        show_examples(cfg, d, first_records(cfg, cfg.show_examples))
+        print_examples(cfg, d, first_records(cfg, cfg.show_examples))
         return
     # The corpus as tokens, built into the token cache once; batches read their rows from it (open_corpus).
     corpus = open_corpus(cfg, d, resolve_model_files(cfg, d) if cfg.model == "hf" else None)
