@@ -230,9 +230,14 @@ class RunConfig:
     eval_every: int = flag(100, "steps between evaluations (0: at the end)", within=COUNT)
     eval_examples: int = flag(1000, "held-out examples an evaluation reads, spread evenly over the held-out set, "
                               "the same ones each time (0: every one, exact however large)", within=COUNT)  # fmt: skip
+    eval_file: Path | None = flag(None, "held-out data from a file of its own, in any format the training data takes "
+                                  "(then nothing is held out of the training data)", type=Path)  # fmt: skip
     progress: str = flag("auto", "auto: a bar on a terminal, else log lines", choices=["auto", "bar", "plain"])
     log_every: int = flag(25, "steps between log lines", within=POSITIVE)
     metrics_file: Path | None = flag(None, "append one JSON object per logged step", type=Path)
+    report_to: tuple[str, ...] = flag(("none",), "trackers that get the metrics, the settings and the summary, comma-"
+                                      "separated: tensorboard, wandb, trackio (their files under OUTPUT_DIR)",
+                                      type="tracker names")  # fmt: skip
     plot: bool = flag(False, "write OUTPUT_DIR/loss.png at the end (needs matplotlib)", action="store_true")
     time_breakdown: bool = flag(False, "time data/forward/backward/sync/optimizer in every step", action="store_true")
     trace_steps: int = flag(0, "record every rank's first N steps to OUTPUT_DIR/trace.json (Perfetto); with --plot, "
@@ -285,6 +290,14 @@ class RunConfig:
 
     prompt: str = flag("Each rank", "text the trained model continues", "sample")
     sample_tokens: int = flag(120, "length of the sample", within=POSITIVE)
+    sample_every: int = flag(0, "every N steps, samples for --prompt and, on chat data, three held-out user turns",
+                             within=COUNT, metavar="N")  # fmt: skip
+    temperature: float = flag(None, "sampling temperature; 0: greedy (default: 0.8 tiny, 0 hf)", within=AMOUNT)
+    top_p: float = flag(1.0, "sample from the likeliest tokens that add up to this probability (0: the likeliest one)",
+                        within={"kind": float, "low": 0, "high": 1}, metavar="P")  # fmt: skip
+    chat: Path | None = flag(None, "talk to a trained output (tiny checkpoint, adapters, merged or full model): answer "
+                             "--prompt and exit, or on a terminal without --prompt, turn by turn", type=Path,
+                             metavar="PATH")  # fmt: skip
     merge_lora: str | None = flag(None, "write OUTPUT_DIR/merged, LoRA adapters merged into their base model: "
                                   "after training, or from ADAPTER_DIR alone", nargs="?", const="",
                                   metavar="ADAPTER_DIR")  # fmt: skip
@@ -310,6 +323,8 @@ def settle_defaults(args: argparse.Namespace, typed: set[str]) -> None:
         args.lr = (2e-5 if args.finetune == "full" else 2e-4) if args.model == "hf" else 3e-3
     if args.min_lr is None:
         args.min_lr = args.lr / 10
+    if args.temperature is None:  # the tiny model's samples always drew at 0.8; a pretrained model's were greedy
+        args.temperature = 0.8 if args.model == "tiny" else 0.0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -517,27 +532,6 @@ def trim_padding(batch: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, .
 
 
 @dataclass(frozen=True)
-class Examples(Dataset):
-    """Rows as padded tensors, all in memory: a handful of rows to look at (Rows.whole), or your own."""
-
-    inputs: torch.Tensor  # (N, T) int64
-    targets: torch.Tensor  # (N, T) int64, IGNORE_INDEX on padding
-    # (N,) int64: UTF-8 bytes of text the targets spell out (a line's end counts as one byte).
-    # Loss per byte compares models whose tokens differ: a byte-level model and Qwen's BPE.
-    target_bytes: torch.Tensor
-    # (N, T) int64 for packed rows: each example's positions restart at 0 (pack_rows)
-    positions: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return self.inputs.shape[0]
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
-        if self.positions is None:
-            return self.inputs[i], self.targets[i]
-        return self.inputs[i], self.targets[i], self.positions[i]
-
-
-@dataclass(frozen=True)
 class Lines:
     """Lines as one byte stream (packed_stream), the bytes the tokens: line i is stream[edges[i] + 1 : edges[i + 1]]."""
 
@@ -609,16 +603,6 @@ class Rows(Dataset):
     def set_epoch(self, epoch: int) -> None:
         """Fixed rows: only the sampler's order changes between epochs."""
 
-    @functools.cached_property
-    def whole(self) -> Examples:
-        """Every row at once, padded: for looking at a few rows, never for a real data set."""
-        columns = [torch.stack(c) for c in zip(*(self[i] for i in range(len(self))), strict=True)]
-        return Examples(columns[0], columns[1], self.target_bytes, columns[2] if len(columns) > 2 else None)
-
-    inputs = property(lambda self: self.whole.inputs)
-    targets = property(lambda self: self.whole.targets)
-    positions = property(lambda self: self.whole.positions)
-
 
 class ShiftingWindows(Rows):
     """Packed training data: one byte stream cut into full seq_len windows, at an offset drawn from --seed
@@ -683,12 +667,6 @@ class ByteWindows(Rows):
 
     def digest(self) -> str:
         return self.key
-
-
-def encode_lines_as_bytes(lines: list[str], seq_len: int, pack: bool) -> ByteWindows:
-    """Byte examples of lines, each framed by newlines: the first byte is predicted from "start of line",
-    and the closing newline teaches where a line ends (and where sampling stops)."""
-    return ByteWindows(Lines.from_texts(lines), seq_len, pack)
 
 
 class LeanDistributedSampler(DistributedSampler):
@@ -2640,7 +2618,14 @@ def layer_names(text: str) -> tuple[str, ...]:
     return names
 
 
-READERS = {"layer names": layer_names, "fault plan": fault_plan}  # what RunConfig's flags name by these words
+def tracker_names(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip() and n.strip() != "none")
+    if unknown := [n for n in names if n not in TRACKERS]:
+        raise argparse.ArgumentTypeError(f"unknown tracker {unknown[0]!r}: choose from none, {', '.join(TRACKERS)}")
+    return names or ("none",)
+
+
+READERS = {"layer names": layer_names, "fault plan": fault_plan, "tracker names": tracker_names}  # RunConfig's words
 
 
 class _Parser(argparse.ArgumentParser):
@@ -2736,12 +2721,18 @@ def config_words(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
 
 
 def write_settings(cfg: RunConfig) -> Path | None:
-    """OUTPUT_DIR/config.yaml: every setting as this run resolved it (the other model's left out), for --config."""
+    """OUTPUT_DIR/config.yaml: every setting as this run resolved it, for --config."""
     try:
         import yaml
     except ImportError:
         return say("[settings] OUTPUT_DIR/config.yaml not written: pip install pyyaml")
+    path = cfg.output_dir / "config.yaml"
+    atomic_write(path, yaml.safe_dump(resolved_settings(cfg), sort_keys=False, allow_unicode=True).encode())
+    return path
 
+
+def resolved_settings(cfg: RunConfig) -> dict:
+    """Every setting as this run resolved it, spelt as its flag takes it, the other model's left out."""
     title = TINY_GROUP if cfg.model == "hf" else PRETRAINED_GROUP
     other = {a.dest for g in build_arg_parser()._action_groups if g.title == title for a in g._group_actions}
     settings = {}
@@ -2752,9 +2743,7 @@ def write_settings(cfg: RunConfig) -> Path | None:
         if value is not None or name == "cache_dir":  # no cache: "none", as the flag spells it
             settings[name] = "none" if value is None else str(value) if isinstance(value, Path) else (
                 ",".join(value) if isinstance(value, tuple) else value)  # fmt: skip
-    path = cfg.output_dir / "config.yaml"
-    atomic_write(path, yaml.safe_dump(settings, sort_keys=False, allow_unicode=True).encode())
-    return path
+    return settings
 
 
 def parse_args(argv: list[str] | None = None) -> RunConfig:
@@ -2793,6 +2782,13 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         raise UsageError(why)
     if cfg.merge_lora is not None and (why := cannot_merge(cfg)):
         raise UsageError(why)
+    if missing := [n for n in cfg.report_to if n in TRACKERS and importlib.util.find_spec(n) is None]:
+        raise UsageError(f"--report-to {missing[0]} needs its library: pip install {' '.join(missing)}")
+    if cfg.chat and not cfg.chat.exists():
+        raise UsageError(f"--chat {cfg.chat}: no such file or folder; name a checkpoint or a folder a run wrote")
+    if cfg.sample_every and (cfg.sharding == "full" or cfg.tp * cfg.pp > 1):
+        raise UsageError("--sample-every samples rank 0's whole model, which --sharding full, --tp and --pp split: "
+                         "leave it out (the sample at the end reads the saved model back)")  # fmt: skip
     try:  # found now, not after hours of training when the sample is printed
         cfg.prompt.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -4086,7 +4082,7 @@ def dataset_rows(cfg: RunConfig) -> Iterator[list[tuple[int, dict]]]:
         at += len(rows)
 
 
-def open_corpus(cfg: RunConfig, d: Dist, folder: Path | None) -> Lines | Tokens:
+def open_corpus(cfg: RunConfig, d: Dist, folder: Path | None, name: str = "corpus") -> Lines | Tokens:
     """The training data as tokens, from the token cache, built first where missing: rank 0 builds while the
     others wait; then the first rank of each machine that cannot see that cache (a node-local --cache-dir)
     builds its own; then every rank opens it. A failure anywhere stops every rank with its one line."""
@@ -4100,7 +4096,7 @@ def open_corpus(cfg: RunConfig, d: Dist, folder: Path | None) -> Lines | Tokens:
             except Exception as e:
                 mine, problem = e, str(e) if isinstance(e, UsageError | TrainingError) else describe_error(e)
         if d.distributed:
-            problem = meet_without_deadline(d, f"corpus_{turn}", problem)
+            problem = meet_without_deadline(d, f"{name}_{turn}", problem)  # a name per corpus: met once each
     if mine is not None:
         raise mine
     if problem:
@@ -4191,7 +4187,7 @@ def tiny_kit(cfg: RunConfig, d: Dist, lines: Lines, val_lines: Lines) -> ModelKi
     kit = build_tiny_kit(cfg, d, lines, val_lines)
     return replace(
         kit,
-        sample=lambda raw, prompt: generate_bytes(raw, prompt, cfg.sample_tokens, cfg.seed),
+        sample=lambda raw, prompt: generate_bytes(raw, prompt, cfg.sample_tokens, cfg.seed, cfg.temperature, cfg.top_p),
         flops_per_token=training_flops_per_token(kit.model, cfg.n_layers, cfg.d_model, cfg.seq_len),
         reload=lambda path: load_tiny_checkpoint(path, d.device),
     )
@@ -4252,14 +4248,8 @@ def build_pretrained_kit(
         else:  # text was trained after a start token; a prompt-completion prompt had none
             prefix, stop = ([] if completions else [start]) + encode(prompt), [tokenizer.eos_token_id]
         ids = torch.tensor([prefix], device=d.device)
-        out = raw.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=cfg.sample_tokens,
-            do_sample=False,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=stop,
-        )
+        out = raw.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=cfg.sample_tokens,
+                           pad_token_id=tokenizer.pad_token_id, eos_token_id=stop, **sampling(cfg))  # fmt: skip
         reply = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
         if not reply.strip():  # a random model's tokens may decode to blank lines (120 of them): one line says so
             reply = f"(nothing but {len(reply)} whitespace character(s): a model this untrained has no words yet)"
@@ -4272,7 +4262,8 @@ def build_pretrained_kit(
         try:
             val = encode_records_with_tokenizer(val_records, tokenizer, cfg.seq_len, cfg.train_on_prompt)[0]
         except UsageError as e:
-            raise UsageError(f"held-out records (--val-fraction {cfg.val_fraction}): {e}") from None
+            source = f"--eval-file {cfg.eval_file}" if cfg.eval_file else f"--val-fraction {cfg.val_fraction}"
+            raise UsageError(f"held-out records ({source}): {e}") from None
 
     return ModelKit(
         model=model,
@@ -4300,6 +4291,13 @@ def build_pretrained_kit(
         data_report=f"{counts['truncated']} cut to --seq-len {cfg.seq_len}, "
         f"{counts['dropped']} dropped with no target token left",
     )
+
+
+def sampling(cfg: RunConfig) -> dict:
+    """generate()'s arguments for --temperature and --top-p alone (a model's generation_config may add a top_k)."""
+    if cfg.temperature == 0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": 0}
 
 
 def reload_pretrained(cfg: RunConfig, dtype: torch.dtype, device: torch.device, path: Path) -> nn.Module:
@@ -4341,6 +4339,53 @@ def merge_adapters(cfg: RunConfig, adapter: Path) -> Path:
         merged.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(adapter, **options).save_pretrained(tmp)
     return cfg.output_dir / "merged"
+
+
+def chat_with(cfg: RunConfig, interactive: bool) -> None:
+    """--chat PATH: a trained output answers --prompt, or, interactive, each line typed (an empty one ends),
+    its reply streamed as it is generated."""
+    answer, turns = replier(cfg, cfg.chat), []
+    for line in iter(lambda: input("you> ").strip(), "") if interactive else [cfg.prompt]:
+        if not interactive:
+            say(f"you> {line}")
+        print("model> ", end="", flush=True)
+        turns.append(("user", line))
+        turns.append(("assistant", answer(tuple(turns))))
+        print(flush=True)
+
+
+def replier(cfg: RunConfig, path: Path) -> Callable[[tuple[tuple[str, str], ...]], str]:
+    """What answers a conversation for --chat: a tiny checkpoint continues the last line, byte by byte; a
+    transformers folder (adapters, merged or fully fine-tuned) replies through its chat template, if it has one."""
+
+    def show(text: str) -> None:
+        print(text, end="", flush=True)
+
+    torch.manual_seed(cfg.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() and not cfg.cpu else "cpu")
+    if path.is_file():
+        model = load_tiny_checkpoint(path, device).eval()
+        return lambda turns: generate_bytes(model, turns[-1][1], cfg.sample_tokens, cfg.seed, cfg.temperature,
+                                            cfg.top_p, show)  # fmt: skip
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
+
+    quiet_transformers()
+    kind = AutoPeftModelForCausalLM if (path / "adapter_config.json").is_file() else AutoModelForCausalLM
+    model = kind.from_pretrained(path, dtype="auto", trust_remote_code=cfg.trust_remote_code).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+
+    @torch.no_grad()
+    def answer(turns: tuple[tuple[str, str], ...]) -> str:
+        text = render_chat(turns, tokenizer, prompt=True) if tokenizer.chat_template else turns[-1][1]
+        ids = torch.tensor([tokenizer.encode(text, add_special_tokens=not tokenizer.chat_template)], device=device)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=cfg.sample_tokens,
+                             streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True),
+                             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+                             **sampling(cfg))  # fmt: skip
+        return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+    return answer
 
 
 def add_lora(cfg: RunConfig, model: nn.Module) -> nn.Module:
@@ -5247,8 +5292,9 @@ class SideWork(Hooks):
 
     PHASES = ("data", "forward", "backward", "sync", "optimizer")
 
-    def __init__(self, cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings: dict) -> None:
-        self.cfg, self.d, self.kit, self.resume, self.settings = cfg, d, kit, resume, settings
+    def __init__(self, cfg: RunConfig, d: Dist, kit: ModelKit, resume: dict | None, settings: dict,
+                 prompts: list[str] = ()) -> None:  # fmt: skip
+        self.cfg, self.d, self.kit, self.resume, self.settings, self.prompts = cfg, d, kit, resume, settings, prompts
         self.precision = choose_precision(cfg, d)
         # fp16 needs loss scaling: small gradients would underflow to zero. bf16 has fp32's range.
         self.scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
@@ -5358,6 +5404,8 @@ class SideWork(Hooks):
                   named_params: list, optimizer: torch.optim.Optimizer, progress: Progress) -> None:  # fmt: skip
         cfg, step = self.cfg, int(metrics["step"])
         val = evaluate(cfg, self.d, self.kit, model, self.precision) if evaluation_due(cfg, self.kit, step) else {}
+        if cfg.sample_every and step % cfg.sample_every == 0:  # rank 0's; the others wait at the next collective
+            val["samples"] = sample_now(cfg, self.kit, self.prompts, self.d.device) if self.d.is_main else []
         self.reporter.step_done({**metrics, **val, **self.sent}, tokens, seconds, self.take_times)
         if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.max_steps):
             self.saver.save(model, named_params, optimizer, self.scaler, progress)
@@ -5442,21 +5490,34 @@ def raise_non_finite(d: Dist, step: int, loss: float, grad_norm: float, local_lo
 
 
 @torch.no_grad()
-def generate_bytes(model: TinyTransformer, prompt: str, max_new: int, seed: int) -> str:
-    """Sample a continuation of the prompt until the end of the line (the model's own "\\n")."""
+def generate_bytes(model: TinyTransformer, prompt: str, max_new: int, seed: int, temperature: float = 0.8,
+                   top_p: float = 1.0, stream: Callable[[str], object] | None = None) -> str:  # fmt: skip
+    """Sample a continuation of the prompt until the end of the line (the model's own "\\n"); `stream`
+    gets the text as it comes."""
     device = next(model.parameters()).device
     ids = torch.tensor([[NEWLINE, *prompt.encode("utf-8")]], device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    out = bytearray()
+    out, text = bytearray(), codecs.getincrementaldecoder("utf-8")("replace")
     for _ in range(max_new):
-        logits = model(ids[:, -model.config.seq_len :])[0, -1].float()
-        probs = torch.softmax(logits / 0.8, dim=-1)  # temperature 0.8: a little sharper than raw
-        nxt = torch.multinomial(probs, 1, generator=gen)
+        nxt = next_token(model(ids[:, -model.config.seq_len :])[0, -1].float(), temperature, top_p, gen)
         if nxt.item() == NEWLINE:
             break
         out.append(int(nxt.item()))
+        if stream:
+            stream(text.decode(bytes(out[-1:])).translate(CONTROL_ESCAPES))
         ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
     return (prompt + out.decode("utf-8", errors="replace")).translate(CONTROL_ESCAPES)
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> torch.Tensor:
+    """Greedy at temperature 0; else drawn from the fewest likeliest tokens whose probabilities reach top_p."""
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1:
+        ranked, order = probs.sort(descending=True)
+        probs = probs.scatter(-1, order, ranked.masked_fill(ranked.cumsum(-1) - ranked > top_p, 0))
+    return torch.multinomial(probs, 1, generator=gen)
 
 
 # A sampled byte may be any control character (backspace, NUL, an escape sequence's ESC): shown as \x08 and
@@ -5629,6 +5690,7 @@ class Reporter:
         self.window_tokens, self.window_seconds, self.window_steps = 0, 0.0, 0
         self.tokens, self.seconds = 0, 0.0  # this attempt's totals
         self.failure: OSError | None = None  # rank 0's failed metrics write, until every rank hears of it
+        self.trackers = Trackers(cfg, cfg.report_to if d.is_main else ())
 
     def step_done(self, metrics: dict[str, float], tokens: int, seconds: float,
                   take_times: Callable[[int], dict[str, float]]) -> None:  # fmt: skip
@@ -5639,7 +5701,7 @@ class Reporter:
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
         self.progress.history.append({k: metrics[k] for k in ("step", "loss", "val_loss") if k in metrics})
-        if not (step % cfg.log_every == 0 or step in (1, cfg.max_steps) or "val_loss" in metrics):
+        if not (step % cfg.log_every == 0 or step in (1, cfg.max_steps) or {"val_loss", "samples"} & set(metrics)):
             return
         speed = self.window_tokens / self.window_seconds
         record = {
@@ -5660,6 +5722,9 @@ class Reporter:
             say(line)
         elif "val_loss" in record:
             self.bar.write(line)
+        for sample in record.get("samples", []):
+            say(f"[sample] step {step}: {sample}")
+        self.trackers.log(record, step)
         if cfg.metrics_file and not self.failure:
             # No collective here: the failure reaches the other ranks with the next step's vote.
             try:
@@ -5678,6 +5743,98 @@ class Reporter:
 
     def close(self) -> None:
         self.bar.close()
+
+
+class TensorBoard:
+    """--report-to tensorboard: event files in OUTPUT_DIR/tensorboard, flushed at every log."""
+
+    def __init__(self, cfg: RunConfig, settings: dict) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(cfg.output_dir / "tensorboard"))
+        self.writer.add_text("settings", "\n".join(f"    {k}: {v}" for k, v in settings.items()))  # as code
+
+    def log(self, numbers: dict[str, float], texts: dict[str, list[str]], step: int) -> None:
+        for key, value in numbers.items():
+            self.writer.add_scalar(key, value, step)
+        for key, lines in texts.items():
+            self.writer.add_text(key, "\n\n".join(lines), step)
+        self.writer.flush()
+
+    def finish(self, summary: dict[str, float], step: int) -> None:
+        for key, value in summary.items():
+            self.writer.add_scalar(f"summary/{key}", value, step)
+        self.writer.close()
+
+
+class Wandb:
+    """--report-to wandb: a run in OUTPUT_DIR/wandb (WANDB_MODE=offline keeps it there; WANDB_PROJECT names it)."""
+
+    library = "wandb"
+
+    def __init__(self, cfg: RunConfig, settings: dict) -> None:
+        where = self.files(cfg)
+        self.lib = importlib.import_module(self.library)
+        project = os.environ.get("WANDB_PROJECT", "llm-ddp-parallel-training")
+        self.run = self.lib.init(project=project, config=settings, **where)
+
+    def files(self, cfg: RunConfig) -> dict:
+        return {"dir": str(cfg.output_dir)}
+
+    def log(self, numbers: dict[str, float], texts: dict[str, list[str]], step: int) -> None:
+        tables = {key: self.lib.Table(columns=[key], data=[[line] for line in lines]) for key, lines in texts.items()}
+        self.run.log(numbers | tables, step=step)
+
+    def finish(self, summary: dict[str, float], step: int) -> None:
+        self.run.summary.update(summary)
+        self.run.finish()
+
+
+class Trackio(Wandb):
+    """--report-to trackio: wandb's calls, its local store in OUTPUT_DIR/trackio (unless TRACKIO_DIR says where)."""
+
+    library = "trackio"
+
+    def files(self, cfg: RunConfig) -> dict:
+        os.environ.setdefault("TRACKIO_DIR", str(cfg.output_dir / "trackio"))  # read as trackio is imported
+        return {}
+
+    def finish(self, summary: dict[str, float], step: int) -> None:  # trackio keeps no summary: a last log
+        self.run.log({f"summary/{key}": value for key, value in summary.items()}, step=step)
+        self.run.finish()
+
+
+TRACKERS = {"tensorboard": TensorBoard, "wandb": Wandb, "trackio": Trackio}
+
+
+class Trackers:
+    """Rank 0's --report-to trackers: the metrics file's records under its keys, the settings, the summary.
+    One that fails costs one warning line and is dropped; the training goes on."""
+
+    def __init__(self, cfg: RunConfig, names: tuple[str, ...]) -> None:
+        self.live: dict[str, object] = {}
+        settings = resolved_settings(cfg)
+        for name in names:
+            if name in TRACKERS:
+                self.call(name, lambda n=name: self.live.update({n: TRACKERS[n](cfg, settings)}))
+
+    def call(self, name: str, work: Callable[[], object]) -> None:
+        try:
+            work()
+        except Exception as e:  # a tracker's server, disk or key: the run's own outputs do not depend on it
+            self.live.pop(name, None)
+            say(f"[report] warning: {name} failed and is left out from here on: {describe_error(e)}")
+
+    def log(self, record: dict, step: int) -> None:
+        numbers = {k: v for k, v in record.items() if isinstance(v, int | float) and k != "step"}  # the x axis
+        texts = {k: v for k, v in record.items() if isinstance(v, list) and v}
+        for name, tracker in list(self.live.items()):
+            self.call(name, lambda t=tracker: t.log(numbers, texts, step))
+
+    def finish(self, summary: dict[str, float], step: int) -> None:
+        for name, tracker in list(self.live.items()):
+            self.call(name, lambda t=tracker: t.finish(summary, step))
+        self.live = {}
 
 
 def format_metrics(r: dict[str, float], max_steps: int, distributed: bool) -> str:
@@ -5844,7 +6001,8 @@ def describe_traffic(cfg: RunConfig, traffic: dict[str, tuple[float, float]]) ->
 
 
 def print_summary(cfg: RunConfig, d: Dist, side: SideWork, progress: Progress, wall_seconds: float,
-                  outputs: list[Path]) -> None:  # fmt: skip
+                  outputs: list[Path]) -> dict[str, float]:  # fmt: skip
+    """The run in a table, and in numbers for the trackers."""
     history, memory, tokens, seconds = progress.history, side.memory, side.reporter.tokens, side.reporter.seconds
     last_val = next((h for h in reversed(history) if "val_loss" in h), None)
     speed = f"{tokens / seconds:,.0f} (this attempt's training steps)" if seconds else "-"
@@ -5869,6 +6027,15 @@ def print_summary(cfg: RunConfig, d: Dist, side: SideWork, progress: Progress, w
     ]
     width = max(len(k) for k, _ in rows)
     say("[summary]\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows))
+    numbers = {"steps": progress.step, "tokens_seen": progress.tokens_seen, "wall_seconds": wall_seconds,
+               **{f"peak_memory_mib/rank{r['rank']}": r["peak"] / 2**20 for r in memory},
+               **{f"{kind}/{what}_per_step": n for kind, sent in side.traffic.items()
+                  for what, n in zip(("calls", "bytes"), sent, strict=True)}}  # fmt: skip
+    if seconds:
+        numbers["tokens_per_sec"] = tokens / seconds
+        if side.reporter.peak:
+            numbers["mfu"] = tokens / seconds * side.reporter.flops_per_token / (side.reporter.peak * d.world_size)
+    return numbers
 
 
 # ----------------------------------------------------------------------------------------------
@@ -6484,19 +6651,24 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
         print_examples(cfg, d, first_records(cfg, cfg.show_examples))
         return
     # The corpus as tokens, built into the token cache once; batches read their rows from it (open_corpus).
-    corpus = open_corpus(cfg, d, resolve_model_files(cfg, d) if cfg.model == "hf" else None)
-    val = held_out(len(corpus), cfg.val_fraction, cfg.seed)
+    folder = resolve_model_files(cfg, d) if cfg.model == "hf" else None
+    corpus, held = open_corpus(cfg, d, folder), None
+    if cfg.eval_file:  # the held-out data's own file, through the token cache as the training data's
+        training, val = corpus, open_corpus(replace(cfg, corpus_file=cfg.eval_file, dataset=None), d, folder, "eval")
+    else:
+        held = held_out(len(corpus), cfg.val_fraction, cfg.seed)
+        training, val = corpus.subset(~held), corpus.subset(held)
     build_kit = build_pretrained_kit if cfg.model == "hf" else tiny_kit
-    kit = build_kit(cfg, d, corpus.subset(~val), corpus.subset(val))
+    kit = build_kit(cfg, d, training, val)
     # Initialisation used --seed alone: the replicas start identical. Dropout must not: W ranks
     # dropping the same units of their different examples is not one process with a W-times batch.
     # A tensor-parallel group's ranks compute one replica's activations together: one seed for them.
     torch.manual_seed(cfg.seed + d.rank // d.tp)
     log(
         d,
-        f"[data] {cfg.dataset or cfg.corpus_file}: {len(val) - val.sum()} training {describe_records(corpus.fmt)} -> "
+        f"[data] {cfg.dataset or cfg.corpus_file}: {len(training)} training {describe_records(corpus.fmt)} -> "
         f"{len(kit.train)} examples of {cfg.seq_len} tokens{'; ' + kit.data_report if kit.data_report else ''}; "
-        f"{val.sum()} held out for validation",
+        f"{len(val)} held out for validation{f' (--eval-file {cfg.eval_file})' if cfg.eval_file else ''}",
     )
     log(d, f"[model] {kit.describe}")
     cfg = steps_for_epochs(cfg, d, kit)
@@ -6512,7 +6684,9 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
     if cfg.metrics_file:
         start = resume["progress"]["step"] if resume else 0
         rank0_writes(d, "the metrics file", lambda: prepare_metrics_file(cfg, start), error=UsageError)
-    hooks = SideWork(cfg, d, kit, resume, settings)
+    chat = isinstance(corpus, Tokens) and corpus.chat
+    prompts = sample_prompts(cfg, chat, held) if cfg.sample_every and d.is_main else []
+    hooks = SideWork(cfg, d, kit, resume, settings, prompts)
     model, progress = train(cfg, d, kit, hooks)
     step = progress.step
     # Also after a stop: the steps it traced are worth seeing.
@@ -6522,6 +6696,7 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
     if hooks.stopped_by:
         rank0_writes(d, "the stop marker", lambda: write_stop_marker(cfg, d, step, hooks.stopped_by))
         again = "the same command resumes there" if cfg.resume == "auto" else "--resume auto resumes there"
+        hooks.reporter.trackers.finish({}, step)
         log(d, f"[stop] {hooks.stopped_by}: every rank stopped after step {step}; {again}")
         tell_torchrun(f"stopped cleanly by {hooks.stopped_by} after step {step}, checkpoint written (exit code 3)")
         raise SystemExit(EXIT_STOPPED)
@@ -6557,8 +6732,29 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
             say(sample_saved_model(kit, cfg, outputs[0]))
         if cfg.metrics_file:
             outputs.append(cfg.metrics_file)
-        print_summary(cfg, d, hooks, progress, time.perf_counter() - started, outputs)
+        summary = print_summary(cfg, d, hooks, progress, time.perf_counter() - started, outputs)
         say(describe_memory(cfg, d, hooks.memory))
+        hooks.reporter.trackers.finish(summary, step)
+
+
+def sample_prompts(cfg: RunConfig, chat: bool, held: np.ndarray | None) -> list[str]:
+    """--sample-every's prompts: --prompt, and on chat data the first user turn of the first three held-out
+    records (--eval-file's, or those --val-fraction held out)."""
+    picks = (np.arange(3) if held is None else np.flatnonzero(held)[:3]) if chat else []
+    source = replace(cfg, corpus_file=cfg.eval_file, dataset=None) if cfg.eval_file else cfg
+    records = first_records(source, int(picks[-1]) + 1) if len(picks) else []
+    users = [next((t for role, t in records[i].messages or () if role == "user"), None) for i in picks]
+    return [cfg.prompt, *filter(None, users)]
+
+
+def sample_now(cfg: RunConfig, kit: ModelKit, prompts: list[str], device: torch.device) -> list[str]:
+    """--sample-every: rank 0's model answers each prompt, the training's random streams left as they were."""
+    kit.model.eval()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(cfg.seed)  # the same draws at every sampling step: only the model changed
+        samples = [kit.sample(kit.model, prompt) for prompt in prompts]
+    kit.model.train()
+    return samples
 
 
 def sample_saved_model(kit: ModelKit, cfg: RunConfig, path: Path) -> str:
@@ -6649,6 +6845,8 @@ def refuse_missing_inputs(cfg: RunConfig) -> None:
         datasets_library()
     else:
         check_readable(cfg.corpus_file)
+    if cfg.eval_file:
+        check_readable(cfg.eval_file)
     if cfg.model == "hf":
         local_model_folder(cfg.model_name_or_path)
 
@@ -6670,6 +6868,15 @@ def main(argv: list[str] | None = None) -> None:
             except Exception as e:  # its base gone, a damaged file, a full disk: one line, as a run's failures
                 raise TrainingError(f"could not merge {cfg.merge_lora}: {describe_error(e)}") from None
             return
+        if cfg.chat:
+            words = sys.argv[1:] if argv is None else list(argv)
+            asked = any(w.split("=", 1)[0] == "--prompt" for w in words)
+            try:
+                return chat_with(cfg, interactive=sys.stdin.isatty() and not asked)
+            except (EOFError, KeyboardInterrupt):  # Ctrl-D or Ctrl-C at the prompt: the talk ends
+                return print()
+            except Exception as e:
+                raise TrainingError(f"--chat {cfg.chat}: {describe_error(e)}") from None
         refuse_missing_inputs(cfg)
         if cfg.nproc:
             raise SystemExit(launch_local_ranks(cfg, sys.argv[1:] if argv is None else list(argv)))

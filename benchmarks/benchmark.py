@@ -54,6 +54,8 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "llm_ddp_parallel_training.py"
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
+from rows import stacked  # noqa: E402
+
 import llm_ddp_parallel_training as script  # noqa: E402
 
 # The tiny model every measurement here trains, named in full on every command line, so that
@@ -291,7 +293,7 @@ def loss_on_lines(model_dir: Path, adapter: Path | None, lines: list[str], seq_l
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     model = (PeftModel.from_pretrained(model, adapter) if adapter else model).eval()
-    val = script.encode_lines_with_tokenizer(lines, tokenizer, seq_len)
+    val = stacked(script.encode_lines_with_tokenizer(lines, tokenizer, seq_len))
     with torch.no_grad():
         loss = script.token_loss_sum(model(input_ids=val.inputs).logits, val.targets).item()
     return loss / int((val.targets != script.IGNORE_INDEX).sum())

@@ -24,6 +24,9 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from rows import Stacked, stacked
+
 import llm_ddp_parallel_training as script
 
 
@@ -41,7 +44,7 @@ class Lines(torch.utils.data.Dataset):
     """Trainer's models shift labels themselves: give them [start] + tokens + [eos] whole (one
     position longer than the script's inputs), with the padding labelled -100."""
 
-    def __init__(self, examples: script.Examples, pad_id: int) -> None:
+    def __init__(self, examples: Stacked, pad_id: int) -> None:
         self.labels = torch.cat([examples.inputs[:, :1], examples.targets], dim=1)
         self.ids = self.labels.masked_fill(self.labels == script.IGNORE_INDEX, pad_id)
 
@@ -74,7 +77,7 @@ def main() -> None:
     lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     model = get_peft_model(model, lora)
     lines = script.read_corpus_lines(args.corpus)
-    data = Lines(script.encode_lines_with_tokenizer(lines, tokenizer, args.seq_len), tokenizer.pad_token_id)
+    data = Lines(stacked(script.encode_lines_with_tokenizer(lines, tokenizer, args.seq_len)), tokenizer.pad_token_id)
 
     training = TrainingArguments(
         output_dir=str(args.out / "trainer"),

@@ -18,6 +18,7 @@ import re
 import pytest
 import torch
 from conftest import TINY, assert_ok, run_cmd, torchrun_cmd
+from rows import stacked
 from shared_launch import Shared, error_lines, share
 from test_qwen_lora import NEEDS_PEFT, qwen_args, saved_adapter
 
@@ -197,7 +198,8 @@ def test_truncation_keeps_the_start_and_drops_records_left_without_a_target(toke
     question = t.Record(messages=(("user", "why " * 80), ("assistant", "Because.")))
     whole = t.tokenize_record(replies, tokenizer, False, t.chat_masking(tokenizer))
     seq_len = len(whole.ids) - 5  # cuts into the second reply; the long question loses its answer
-    examples, counts = t.encode_records_with_tokenizer([replies, question], tokenizer, seq_len)
+    rows, counts = t.encode_records_with_tokenizer([replies, question], tokenizer, seq_len)
+    examples = stacked(rows)
     assert counts == {"records": 2, "truncated": 2, "dropped": 1} and len(examples) == 1
     assert examples.inputs[0].tolist() == whole.ids[:seq_len], "a cut record keeps its start"
     kept_targets = int((examples.targets[0] != t.IGNORE_INDEX).sum())
@@ -239,7 +241,7 @@ def test_a_batch_is_padded_only_to_its_longest_example(tokenizer):
     records = [t.Record(text="short"), t.Record(text="a somewhat longer line of text here")]
     examples, _ = t.encode_records_with_tokenizer(records, tokenizer, seq_len=64)
     inputs, targets = t.trim_padding([examples[0], examples[1]])
-    longest = int((examples.targets != t.IGNORE_INDEX).sum(dim=1).max())
+    longest = int((stacked(examples).targets != t.IGNORE_INDEX).sum(dim=1).max())
     assert inputs.shape == targets.shape == (2, longest) and longest < 64
 
 
@@ -250,6 +252,7 @@ def test_padding_never_changes_a_real_positions_output(tiny_qwen, tokenizer):
     records = [t.Record(messages=tuple((m["role"], m["content"]) for m in REPLIES[:2])), t.Record(text="x " * 150)]
     examples, _ = t.encode_records_with_tokenizer(records, tokenizer, seq_len=256)
     inputs, _ = t.trim_padding([examples[0], examples[1]])
+    examples = stacked(examples)
     real = int((examples.targets[0] != t.IGNORE_INDEX).nonzero().max()) + 1
     assert real < inputs.shape[1], "the conversation is padded in this batch"
     with torch.no_grad():
@@ -266,8 +269,8 @@ def test_a_packed_example_gives_the_same_logits_as_alone_and_keeps_its_own_targe
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen, attn_implementation="sdpa").eval()
     records = [t.Record(messages=tuple((m["role"], m["content"]) for m in REPLIES[:k])) for k in (2, 4)]
     records += [t.Record(prompt="the ranks", completion=" agree"), t.Record(text="every gradient, averaged")]
-    alone, _ = t.encode_records_with_tokenizer(records, tokenizer, seq_len=256)
-    packed, _ = t.encode_records_with_tokenizer(records, tokenizer, seq_len=256, pack=True)
+    alone = stacked(t.encode_records_with_tokenizer(records, tokenizer, seq_len=256)[0])
+    packed = stacked(t.encode_records_with_tokenizer(records, tokenizer, seq_len=256, pack=True)[0])
     assert len(packed) == 1, "all four fit one row"
     starts = (packed.positions[0] == 0).nonzero().flatten().tolist()
     with torch.no_grad():
@@ -392,7 +395,7 @@ def test_packed_micro_batches_keep_examples_apart_on_the_flash_attention_path(ti
     AttentionMaskInterface.register("varlen_path_on_cpu", flash_attention_mask)
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen, attn_implementation="varlen_path_on_cpu").eval()
     records = [t.Record(text=line) for line in corpus_lines[:12]]
-    alone, _ = t.encode_records_with_tokenizer(records, tokenizer, seq_len=160)
+    alone = stacked(t.encode_records_with_tokenizer(records, tokenizer, seq_len=160)[0])
     packed, _ = t.encode_records_with_tokenizer(records, tokenizer, seq_len=160, pack=True)
     batch = [packed[i] for i in range(len(packed))]
     assert 3 <= len(batch) < len(records), "several rows of several examples: the default --batch-size is above 1"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import torch
+from rows import byte_examples
 
 import llm_ddp_parallel_training as t
 
@@ -31,7 +32,7 @@ def test_changing_a_future_byte_never_changes_earlier_logits():
 
 
 def test_lines_become_newline_framed_byte_examples_with_padding_ignored():
-    ex = t.encode_lines_as_bytes(["ab"], seq_len=8, pack=False)
+    ex = byte_examples(["ab"], seq_len=8, pack=False)
     # "\nab\n": inputs "\nab", targets "ab\n", the rest is padding that the loss skips
     assert ex.inputs[0, :3].tolist() == [10, 97, 98]
     assert ex.targets[0, :3].tolist() == [97, 98, 10]
@@ -40,14 +41,14 @@ def test_lines_become_newline_framed_byte_examples_with_padding_ignored():
 
 def test_long_lines_are_windowed_so_every_byte_is_a_target_once():
     line = "x" * 20 + "é"  # 23 bytes of UTF-8 inside the newlines
-    ex = t.encode_lines_as_bytes([line], seq_len=8, pack=False)
+    ex = byte_examples([line], seq_len=8, pack=False)
     targets = ex.targets[ex.targets != t.IGNORE_INDEX].tolist()
     assert bytes(targets) == (line + "\n").encode()
 
 
 def test_packed_lines_fill_every_window_and_keep_every_byte():
     lines = ["first line", "second", "a third, longer line of text"]
-    ex = t.encode_lines_as_bytes(lines, seq_len=8, pack=True)
+    ex = byte_examples(lines, seq_len=8, pack=True)
     assert (ex.targets[:-1] != t.IGNORE_INDEX).all(), "only the last window may be padded"
     targets = ex.targets[ex.targets != t.IGNORE_INDEX].tolist()
     assert bytes(targets) == ("\n".join(lines) + "\n").encode()
@@ -55,9 +56,7 @@ def test_packed_lines_fill_every_window_and_keep_every_byte():
 
 
 def shard_indices(n: int, world: int, batch: int, epoch: int) -> list[list[int]]:
-    ex = t.Examples(
-        torch.zeros(n, 4, dtype=torch.long), torch.zeros(n, 4, dtype=torch.long), torch.ones(n, dtype=torch.long)
-    )
+    ex = torch.utils.data.TensorDataset(torch.zeros(n))  # the sampler looks at the length alone
     cfg = t.parse_args(["--batch-size", str(batch), "--seed", "7"])
     shards = []
     for rank in range(world):

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY, assert_ok
+from rows import stacked
 from shared_launch import Shared, share
 from test_chat_data import write_jsonl
 from test_qwen_lora import saved_adapter
@@ -174,7 +175,8 @@ def test_a_packed_row_gives_each_example_its_own_loss(name, family_dirs, tmp_pat
     kit = t.build_pretrained_kit(cfg, t.setup_distributed(cfg), records, [])
     kit.model.eval()
     assert len(kit.train) == 1, "all three fit one row"
-    inputs, targets, positions = kit.train.inputs, kit.train.targets, kit.train.positions
+    rows = stacked(kit.train)
+    inputs, targets, positions = rows.inputs, rows.targets, rows.positions
     starts = (positions[0] == 0).nonzero().flatten().tolist()  # each example's, then the padded tail's
     with torch.no_grad():
         packed = kit.loss(kit.trained, inputs, targets, positions).item()

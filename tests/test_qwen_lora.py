@@ -130,7 +130,7 @@ def test_saved_adapter_reloads_with_the_trained_logits_and_the_base_is_untouched
     assert all(torch.equal(base_before[k], v) for k, v in kit.model.named_parameters() if not v.requires_grad), (
         "frozen base weights changed"
     )
-    batch = kit.train.inputs[:3]
+    batch = torch.stack([kit.train[i][0] for i in range(3)])
     kit.model.eval()
     with torch.no_grad():
         trained = kit.model(input_ids=batch).logits

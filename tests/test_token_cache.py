@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import REPO, TINY, assert_ok, child_env, run_cmd, split_lines, torchrun_cmd
+from rows import stacked
 from shared_launch import Shared, assert_one_clear_error, share
 
 import llm_ddp_parallel_training as t
@@ -229,7 +230,7 @@ def test_byte_examples_are_the_ones_built_in_memory_before_the_cache(corpus_line
     train_idx = ~val_idx
     corpus = t.Lines.from_texts(corpus_lines)
     train_lines, val_lines = split_lines(corpus_lines, 0.1, seed=1337)
-    val = t.ByteWindows(corpus.subset(val_idx), 64, pack)
+    val = stacked(t.ByteWindows(corpus.subset(val_idx), 64, pack))
     inputs, targets = reference_byte_examples(val_lines, 64, pack)
     assert torch.equal(val.inputs, inputs) and torch.equal(val.targets, targets)
     assert torch.equal(val.target_bytes, (targets != t.IGNORE_INDEX).sum(dim=1))
@@ -241,7 +242,7 @@ def test_byte_examples_are_the_ones_built_in_memory_before_the_cache(corpus_line
                 window = reference_shifting_window(train_lines, 64, 7, epoch, i)
                 assert torch.equal(torch.cat([train[i][0], train[i][1][-1:]]), window), (epoch, i)
     else:
-        train = t.ByteWindows(corpus.subset(train_idx), 64, False)
+        train = stacked(t.ByteWindows(corpus.subset(train_idx), 64, False))
         inputs, targets = reference_byte_examples(train_lines, 64, False)
         assert torch.equal(train.inputs, inputs) and torch.equal(train.targets, targets)
 

@@ -24,6 +24,7 @@ import time
 import pytest
 import torch
 from conftest import SCRIPT, TINY, assert_ok, child_env, launch, run_jobs, split_lines
+from rows import byte_examples
 
 import llm_ddp_parallel_training as t
 
@@ -127,7 +128,7 @@ def test_validation_loss_equals_a_direct_single_process_computation(reported, co
     _, out, records = reported
     model = t.load_tiny_checkpoint(out / "tiny_transformer.pt")
     _, val_lines = split_lines(corpus_lines, VAL_FRACTION, seed=1337)
-    val = t.encode_lines_as_bytes(val_lines, seq_len=64, pack=True)
+    val = byte_examples(val_lines, seq_len=64, pack=True)
     assert len(val) % 2 == 1, "an odd count: two ranks cannot split it evenly"
     with torch.no_grad():
         loss_sum = t.token_loss_sum(model(val.inputs), val.targets).item()
@@ -303,7 +304,7 @@ def test_validation_with_fewer_held_out_examples_than_ranks_is_the_mean_over_tho
     metrics = out.parent / "small-metrics.jsonl"
     assert_ok(run)
     _, val_lines = split_lines(lines, 0.1, seed=1337)
-    val = t.encode_lines_as_bytes(val_lines, seq_len=64, pack=True)
+    val = byte_examples(val_lines, seq_len=64, pack=True)
     assert len(val) == 1, "one held-out example: rank 1 holds none"
     model = t.load_tiny_checkpoint(out / "tiny_transformer.pt")
     with torch.no_grad():
