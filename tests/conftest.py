@@ -253,6 +253,7 @@ LONGEST_FIRST = [
     "test_crashes.py",
     "test_notebook.py",
     "test_qwen_lora.py",
+    "test_gpu_check.py",
     "test_memory_benchmark.py",
     "test_faults.py",
     "test_training_features.py",

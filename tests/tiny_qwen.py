@@ -96,7 +96,8 @@ QWEN25_CHAT_TEMPLATE = (
 
 def build_tiny_qwen(out_dir: Path, lines: list[str], vocab_size: int = 400, seed: int = 0, **config: object) -> Path:
     """Save a random Qwen2ForCausalLM and its tokenizer in out_dir. `config` overrides the tiny
-    shape (the GPU benchmark passes Qwen2.5-0.5B's exact configuration)."""
+    shape (vocab_size is the tokenizer's; benchmarks/gpu_check.py keeps the tokenizer and builds
+    Qwen2.5's full shapes itself, with Qwen's 151,936-token vocabulary)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX, Qwen2Tokenizer

@@ -1,0 +1,42 @@
+"""benchmarks/gpu_check.py --smoke runs the GPU check's whole harness on CPU at toy sizes: every
+configuration trains through the script (torchrun, one rank) and lands in the table and the JSON, and
+the closing note says that no GPU ran it."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from conftest import REPO, child_env, run_cmd
+
+GPU_CHECK = REPO / "benchmarks" / "gpu_check.py"
+
+
+@pytest.mark.timeout(240)
+def test_smoke_run_prints_the_table_and_writes_a_record_per_configuration(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import gpu_check
+
+    # Five launches of about 10 s each on a quiet 2-core machine; the timeout leaves room for a busy one.
+    run = run_cmd([sys.executable, str(GPU_CHECK), "--smoke", "--out", str(tmp_path)], timeout=200, env=child_env())
+    assert run.returncode == 0, run.output
+    assert "| configuration | tokens/s | MFU |" in run.stdout
+    assert "Not run on a GPU" in run.stdout
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert summary["gpu"] is False
+    records = {r["name"]: r for r in summary["records"]}
+    assert list(records)[: len(gpu_check.CONFIGS)] == [c.name for c in gpu_check.CONFIGS]
+    for c in gpu_check.CONFIGS:
+        r = records[c.name]
+        assert f"| {c.name} |" in run.stdout
+        if c.compile and r["status"] == "skipped":  # until the script has --compile
+            assert "--compile" in r["error"]
+            continue
+        assert r["status"] == "ok", r
+        assert r["tokens_per_sec"] > 0 and r["peak_bytes"] > 0 and r["predicted_state_bytes"] > 0
+        assert r["torch"] and r["transformers"] and r["device"] == "CPU"
+    trl = summary["records"][-1]
+    assert trl["name"].startswith("TRL SFTTrainer")
+    assert trl["status"] == "ok" or trl["error"] == "trl not installed", trl
+    assert not (tmp_path / "models").exists() and not (tmp_path / "runs").exists()  # the weights are removed
