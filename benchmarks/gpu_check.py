@@ -1,7 +1,7 @@
 """The GPU check: one command, no network, one GPU, under 8 minutes; one table and one JSON.
 
     python benchmarks/gpu_check.py               # on a CUDA machine: the six configurations below
-    python benchmarks/gpu_check.py --smoke       # CPU, Gloo, fp32, toy sizes: checks the harness (CI)
+    python benchmarks/gpu_check.py --smoke       # CPU, in this process, fp32, toy sizes: checks the harness (CI)
 
 Each configuration trains through llm_ddp_parallel_training.py as a user starts it (torchrun, one rank,
 NCCL, bf16, HF_HUB_OFFLINE=1) on a random-weight model built here from Qwen2.5-0.5B's or 1.5B's
@@ -20,6 +20,8 @@ are removed at the end.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import itertools
 import json
 import os
@@ -155,9 +157,13 @@ def child_env(smoke: bool) -> dict[str, str]:
 
 
 def launch(args: list[str], log: Path, timeout: float, smoke: bool) -> tuple[int, str, float]:
-    """torchrun, one rank, in its own process group (killed whole on timeout); exit code, output, seconds."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", *args]
+    """torchrun, one rank, in its own process group (killed whole on timeout); exit code, output, seconds.
+    --smoke runs the script in this process, as one plain process: start-up, not training, is what a toy
+    configuration costs (10 s a launch on 2 cores), and the smoke checks the harness, not the launch."""
     started = time.perf_counter()
+    if smoke and args[0] == str(SCRIPT):
+        return (*in_process(args[1:], log), time.perf_counter() - started)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=child_env(smoke), start_new_session=True)  # fmt: skip
     try:
@@ -167,6 +173,18 @@ def launch(args: list[str], log: Path, timeout: float, smoke: bool) -> tuple[int
         output = proc.communicate()[0] + f"\n[gpu_check] killed after {timeout:.0f} s"
     log.write_text(" ".join(cmd) + "\n\n" + output)
     return proc.returncode, output, time.perf_counter() - started
+
+
+def in_process(args: list[str], log: Path) -> tuple[int, str]:
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+        try:
+            script.main(args)
+            code = 0
+        except SystemExit as e:  # the script's one-line failures end this way
+            code = e.code if isinstance(e.code, int) else 1
+    log.write_text(" ".join(["(in process)", str(SCRIPT), *args]) + "\n\n" + output.getvalue())
+    return code, output.getvalue()
 
 
 def script_args(c: Config, sizes: Sizes, model: Path, corpus: Path, run: Path, smoke: bool) -> list[str]:
@@ -304,8 +322,9 @@ def print_table(records: list[dict], smoke: bool) -> None:
 
 def closing_note(env: dict, sizes: Sizes, records: list[dict], smoke: bool) -> str:
     if smoke:
-        return (f"Not run on a GPU: this was --smoke ({env['device']}, Gloo, fp32, toy model sizes, {sizes.steps} "
-                "steps); it checks the harness, its numbers say nothing about GPU speed. On a CUDA machine run "
+        return (f"Not run on a GPU: this was --smoke ({env['device']}, one plain process, fp32, toy model sizes, "
+                f"{sizes.steps} steps); it checks the harness, its numbers say nothing about GPU speed. On a CUDA "
+                "machine run "
                 "`python benchmarks/gpu_check.py`.")  # fmt: skip
     return (f"Ran on {env['device']}, torch {env['torch']}, transformers {env['transformers']}: one rank, NCCL, "
             f"bf16, batch {sizes.batch_size} x {sizes.seq_len}, {sizes.steps} steps; tokens/s and MFU are medians "
@@ -318,7 +337,7 @@ def closing_note(env: dict, sizes: Sizes, records: list[dict], smoke: bool) -> s
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="CPU, Gloo, fp32, toy sizes, 3 steps (CI)")
+    p.add_argument("--smoke", action="store_true", help="CPU, one plain process, fp32, toy sizes, 3 steps (CI)")
     p.add_argument("--out", type=Path, default=None, help="where gpu_check.json and logs/ go (default: a temp folder)")
     p.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()

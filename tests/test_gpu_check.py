@@ -1,6 +1,6 @@
 """benchmarks/gpu_check.py --smoke runs the GPU check's whole harness on CPU at toy sizes: every
-configuration trains through the script (torchrun, one rank) and lands in the table and the JSON, and
-the closing note says that no GPU ran it."""
+configuration trains through the script (in the check's own process: on a GPU each is a torchrun launch)
+and lands in the table and the JSON, and the closing note says that no GPU ran it."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def test_smoke_run_prints_the_table_and_writes_a_record_per_configuration(tmp_pa
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     import gpu_check
 
-    # Five launches of about 10 s each on a quiet 2-core machine; the timeout leaves room for a busy one.
+    # About 20 s on a quiet 2-core machine (five toy runs of 2-3 s, the models built); room for a busy one.
     run = run_cmd([sys.executable, str(GPU_CHECK), "--smoke", "--out", str(tmp_path)], timeout=200, env=child_env())
     assert run.returncode == 0, run.output
     assert "| configuration | tokens/s | MFU |" in run.stdout
