@@ -83,7 +83,7 @@ def test_examples_that_train_write_into_folders_of_their_own():
     commands may share one (repeating the same command, to resume it, is the point of the repeat)."""
     folders: dict[str, str] = {}
     for words in script_commands():
-        if any(w.startswith("--show-examples") for w in words):
+        if any(w.startswith(("--show-examples", "--chat")) for w in words):
             continue  # prints and exits: writes nothing
         folder = words[words.index("--output-dir") + 1] if "--output-dir" in words else "outputs"
         command = " ".join(words)
