@@ -550,7 +550,7 @@ class Lines:
     def __len__(self) -> int:
         return len(self.edges) - 1 if self.chosen is None else int(self.chosen.sum())
 
-    fmt = "text"  # lines, as describe_records says it
+    fmt, chat = "text", False  # lines, as describe_records says it; never conversations
 
     def subset(self, chosen: np.ndarray) -> Lines:
         return replace(self, chosen=chosen)
@@ -3005,11 +3005,11 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llm_ddp_parallel_training"
 
 
-def check_readable(path: Path) -> None:
+def check_readable(path: Path, what: str = "corpus") -> None:
     if not path.exists():
-        raise UsageError(f"corpus file not found: {path}")
+        raise UsageError(f"{what} file not found: {path}")
     if not path.is_file():
-        raise UsageError(f"corpus path is not a file: {path}")
+        raise UsageError(f"{what} path is not a file: {path}")
 
 
 def not_utf8(path: Path, offset: int) -> UsageError:
@@ -5813,10 +5813,10 @@ class Trackers:
 
     def __init__(self, cfg: RunConfig, names: tuple[str, ...]) -> None:
         self.live: dict[str, object] = {}
-        settings = resolved_settings(cfg)
-        for name in names:
-            if name in TRACKERS:
-                self.call(name, lambda n=name: self.live.update({n: TRACKERS[n](cfg, settings)}))
+        chosen = [name for name in names if name in TRACKERS]  # not "none"
+        settings = resolved_settings(cfg) if chosen else {}
+        for name in chosen:
+            self.call(name, lambda n=name: self.live.update({n: TRACKERS[n](cfg, settings)}))
 
     def call(self, name: str, work: Callable[[], object]) -> None:
         try:
@@ -6684,8 +6684,7 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
     if cfg.metrics_file:
         start = resume["progress"]["step"] if resume else 0
         rank0_writes(d, "the metrics file", lambda: prepare_metrics_file(cfg, start), error=UsageError)
-    chat = isinstance(corpus, Tokens) and corpus.chat
-    prompts = sample_prompts(cfg, chat, held) if cfg.sample_every and d.is_main else []
+    prompts = sample_prompts(cfg, corpus.chat, held) if cfg.sample_every and d.is_main else []
     hooks = SideWork(cfg, d, kit, resume, settings, prompts)
     model, progress = train(cfg, d, kit, hooks)
     step = progress.step
@@ -6846,7 +6845,7 @@ def refuse_missing_inputs(cfg: RunConfig) -> None:
     else:
         check_readable(cfg.corpus_file)
     if cfg.eval_file:
-        check_readable(cfg.eval_file)
+        check_readable(cfg.eval_file, "--eval-file")
     if cfg.model == "hf":
         local_model_folder(cfg.model_name_or_path)
 

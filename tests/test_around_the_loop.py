@@ -193,6 +193,11 @@ def test_an_eval_file_is_the_held_out_data_and_nothing_is_carved_out_of_the_trai
     assert "val_loss" in logged(root / "chat-metrics.jsonl")[-1]
 
 
+def test_a_missing_eval_file_is_refused_in_one_line_before_anything_runs(tmp_path):
+    with pytest.raises(t.UsageError, match=r"^--eval-file file not found: .*held\.jsonl$"):
+        t.refuse_missing_inputs(t.parse_args(["--eval-file", str(tmp_path / "held.jsonl")]))
+
+
 def test_sample_every_is_refused_where_no_rank_holds_the_whole_model():
     for split in (["--sharding", "full"], ["--tp", "2"], ["--pp", "2"]):
         with pytest.raises(t.UsageError, match=r"^--sample-every samples rank 0's whole model, which --sharding"):
