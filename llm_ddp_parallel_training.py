@@ -292,7 +292,7 @@ class RunConfig:
     sample_tokens: int = flag(120, "length of the sample", within=POSITIVE)
     sample_every: int = flag(0, "every N steps, samples for --prompt and, on chat data, three held-out user turns",
                              within=COUNT, metavar="N")  # fmt: skip
-    temperature: float = flag(None, "sampling temperature; 0: greedy (default: 0.8 tiny, 0 hf)", within=AMOUNT)
+    temperature: float = flag(None, "0: greedy (default: 0.8 for a tiny model, 0 for a pretrained one)", within=AMOUNT)
     top_p: float = flag(1.0, "sample from the likeliest tokens that add up to this probability (0: the likeliest one)",
                         within={"kind": float, "low": 0, "high": 1}, metavar="P")  # fmt: skip
     chat: Path | None = flag(None, "talk to a trained output (tiny checkpoint, adapters, merged or full model): answer "
@@ -323,8 +323,8 @@ def settle_defaults(args: argparse.Namespace, typed: set[str]) -> None:
         args.lr = (2e-5 if args.finetune == "full" else 2e-4) if args.model == "hf" else 3e-3
     if args.min_lr is None:
         args.min_lr = args.lr / 10
-    if args.temperature is None:  # the tiny model's samples always drew at 0.8; a pretrained model's were greedy
-        args.temperature = 0.8 if args.model == "tiny" else 0.0
+    if args.temperature is None and not args.chat:  # tiny samples drew at 0.8, pretrained ones greedily; --chat:
+        args.temperature = 0.8 if args.model == "tiny" else 0.0  # as what it loads (replier)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -4351,22 +4351,26 @@ def chat_with(cfg: RunConfig, interactive: bool) -> None:
         print("model> ", end="", flush=True)
         turns.append(("user", line))
         turns.append(("assistant", answer(tuple(turns))))
-        print(flush=True)
 
 
 def replier(cfg: RunConfig, path: Path) -> Callable[[tuple[tuple[str, str], ...]], str]:
-    """What answers a conversation for --chat: a tiny checkpoint continues the last line, byte by byte; a
-    transformers folder (adapters, merged or fully fine-tuned) replies through its chat template, if it has one."""
-
-    def show(text: str) -> None:
-        print(text, end="", flush=True)
-
+    """What answers a conversation for --chat, each reply streamed and ended with a line break: a tiny checkpoint
+    continues the last line, byte by byte; a transformers folder (adapters, merged or fully fine-tuned) replies
+    through its chat template, if it has one. --temperature's default is what the model kind's samples use."""
     torch.manual_seed(cfg.seed)
     device = torch.device("cuda" if torch.cuda.is_available() and not cfg.cpu else "cpu")
     if path.is_file():
         model = load_tiny_checkpoint(path, device).eval()
-        return lambda turns: generate_bytes(model, turns[-1][1], cfg.sample_tokens, cfg.seed, cfg.temperature,
-                                            cfg.top_p, show)  # fmt: skip
+        temperature = 0.8 if cfg.temperature is None else cfg.temperature
+
+        def continue_line(turns: tuple[tuple[str, str], ...]) -> str:
+            reply = generate_bytes(model, turns[-1][1], cfg.sample_tokens, cfg.seed, temperature, cfg.top_p,
+                                   functools.partial(print, end="", flush=True))  # fmt: skip
+            print(flush=True)
+            return reply
+
+        return continue_line
+    cfg = replace(cfg, temperature=cfg.temperature or 0.0)
     from peft import AutoPeftModelForCausalLM
     from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 

@@ -51,7 +51,7 @@ def runs(tmp_path_factory, tiny_qwen, corpus_lines):
         "plain": [*TINY, *every, "--output-dir", root / "plain"],
         "chat": ["--model", "hf", "--model-name-or-path", tiny_qwen, "--cpu", "--corpus-file", chat, "--eval-file",
                  asked, "--seq-len", "256", "--batch-size", "4", "--max-steps", "2", "--lr", "1e-2", "--sample-every",
-                 "2", "--sample-tokens", "6", "--output-dir", root / "chat",
+                 "2", "--sample-tokens", "6", "--merge-lora", "--output-dir", root / "chat",
                  "--metrics-file", root / "chat-metrics.jsonl"],
     }  # fmt: skip
     with pytest.MonkeyPatch.context() as mp:
@@ -226,11 +226,21 @@ def test_chat_answers_a_prompt_from_a_tiny_checkpoint_the_same_for_the_same_seed
     assert other.stdout != first.stdout
 
 
-def test_chat_answers_through_the_chat_template_from_an_adapter_folder_and_a_merged_one(runs):
+@pytest.mark.parametrize("folder", ["qwen_lora", "merged"])
+def test_chat_answers_through_the_chat_template_from_an_adapter_folder_and_a_merged_one(runs, folder, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     _, root = runs
-    answer = chat(["--chat", str(root / "chat" / "qwen_lora"), "--prompt", USERS[0], "--sample-tokens", "6"])
-    assert answer.returncode == 0, answer.stderr
-    assert answer.stdout.startswith(f"you> {USERS[0]}\nmodel> "), answer.stdout
+    t.main(["--chat", str(root / "chat" / folder), "--prompt", USERS[0], "--sample-tokens", "6"])
+    shown = capsys.readouterr().out
+    # The same reply as the merged model's own greedy generate() through the chat template (streamed, then a line end).
+    merged = root / "chat" / "merged"
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(merged), AutoTokenizer.from_pretrained(merged)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": USERS[0]}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)["input_ids"]  # fmt: skip
+    reply = tokenizer.decode(model.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1] :],
+                             skip_special_tokens=True)  # fmt: skip
+    assert shown == f"you> {USERS[0]}\nmodel> {reply}\n", (shown, reply)
 
 
 def test_chat_on_a_terminal_without_a_prompt_talks_turn_by_turn_until_an_empty_line(runs):

@@ -15,10 +15,10 @@ LINES = SOURCE.splitlines()
 TEACHING_CORE_LINES = 1600  # the loop's end: after the settings, ranks, the byte data, the model and the sync
 # Line budgets. The redesign's targets are 4,500 lines in all, 1,900 above the banner, no class there over 220;
 # until it lands these ceilings only fall, and an issue that adds lines raises them by exactly what it adds
-# (issue 35, at most 400 lines: --merge-lora added 47, --config 65; trackers, samples, --eval-file, --chat 244, of
+# (issue 35, at most 400 lines: --merge-lora added 47, --config 65; trackers, samples, --eval-file, --chat 247, of
 # which 15 are their flags in RunConfig, above the banner, paid for there by moving the test-only padded rows,
 # 37 lines, to tests/rows.py).
-SCRIPT_LINES, CORE_LINES, CORE_CLASS_LINES = 6580 - 37 + 47 + 65 + 244, 2575 - 37 + 15, 220
+SCRIPT_LINES, CORE_LINES, CORE_CLASS_LINES = 6580 - 37 + 47 + 65 + 247, 2575 - 37 + 15, 220
 BANNER = next(i for i, line in enumerate(LINES, 1) if line.startswith("# ====="))
 
 
