@@ -254,6 +254,7 @@ LONGEST_FIRST = [
     "test_notebook.py",
     "test_qwen_lora.py",
     "test_gpu_check.py",
+    "test_around_the_loop.py",
     "test_memory_benchmark.py",
     "test_faults.py",
     "test_training_features.py",
