@@ -2941,11 +2941,90 @@ def rendezvous_store(timeout: timedelta) -> tuple[dist.Store | None, str | None]
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         run_id = os.environ.get("TORCHELASTIC_RUN_ID")
         return None, f"{run_id}@{socket.gethostname()}:{os.getppid()}" if run_id is not None else None
+    reach_the_agent_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout, use_libuv=USE_LIBUV
     )
     attempt = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     return attempt, launch_token(store)
+
+
+def reach_the_agent_store(host: str, port: int, seconds: float = 10.0) -> None:
+    """Under torchrun the agent's store is up before any rank starts, so a rank that cannot connect to it in
+    seconds never will: say so in one line, not after --timeout-s of silent retries. (The usual cause: each
+    host's name resolves to a loopback address, so torchrun told the other hosts to meet at their own.)"""
+    deadline, problem = time.monotonic() + seconds, ""
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, port), timeout=max(0.5, deadline - time.monotonic())).close()
+            return
+        except OSError as e:
+            problem = e.strerror or str(e)
+            time.sleep(0.5)
+    try:
+        where = socket.gethostbyname(host)
+    except OSError:
+        where = "nothing"
+    raise TrainingError(
+        f"rank {os.environ.get('RANK')} cannot reach the rendezvous store at {host}:{port} ({host} resolves to "
+        f"{where} on this host; {problem}): start torchrun with --local-addr THIS_HOSTS_ADDRESS on every host "
+        "(and --rdzv-conf is_host=1 on the first), and name the interface the hosts share in GLOO_SOCKET_IFNAME"
+    )
+
+
+def check_socket_interfaces() -> None:
+    """GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME name this host's interfaces: a wrong name is refused now,
+    not after the rendezvous times out. (NCCL's names are prefixes unless the list starts with `=`; a list
+    that starts with `^` excludes.)"""
+    names = [name for _, name in socket.if_nameindex()]
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        wanted = os.environ.get(var, "")
+        exact = var.startswith("GLOO") or wanted.startswith("=")
+        for entry in [] if wanted.startswith("^") else filter(None, wanted.lstrip("=").split(",")):
+            if not any(name == entry if exact else name.startswith(entry) for name in names):
+                raise UsageError(f"{var}={wanted}: this host has no interface {entry} (it has {', '.join(names)}); "
+                                 f"name the one the hosts share, or unset {var}")  # fmt: skip
+
+
+def describe_nodes(d: Dist) -> str | None:
+    """Which ranks run on which node (torchrun's GROUP_RANK), and the interface and address each node's
+    sockets use: gathered from every rank (one collective) where the ranks span nodes; else None."""
+    if d.world_size == d.local_world_size:
+        return None
+    gloo = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
+    address = interface_address(gloo) if gloo else host_address()
+    where = f"{gloo} {address} (GLOO_SOCKET_IFNAME)" if gloo else f"{address} (its name's)"
+    nccl = f", NCCL on {os.environ.get('NCCL_SOCKET_IFNAME', 'its own choice')}" if d.backend == "nccl" else ""
+    every = [None] * d.world_size
+    mine = (os.environ.get("GROUP_RANK", "?"), socket.gethostname(), address, where + nccl)
+    dist.all_gather_object(every, mine, d.control)
+    nodes = {node: [r for r, other in enumerate(every) if other == node] for node in dict.fromkeys(every)}
+    NODES.update({address: f"node {n} ({host}, {address})" for n, host, address, _ in nodes})
+    return f"[nodes] {len(nodes)} nodes: " + "; ".join(
+        f"node {n} ({host}): ranks {','.join(map(str, ranks))}, Gloo on {sockets}"
+        for (n, host, _, sockets), ranks in nodes.items()
+    )
+
+
+NODES: dict[str, str] = {}  # each node's socket address -> its name: a lost peer's address in an error names it
+
+
+def host_address() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError as e:
+        return f"none ({socket.gethostname()}: {e.strerror})"
+
+
+def interface_address(name: str) -> str:
+    """An interface's IPv4 address (Linux's SIOCGIFADDR ioctl); '?' where there is none to read."""
+    try:
+        import fcntl
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            return socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, name[:15].encode().ljust(256, b"\0"))[20:24])
+    except (ImportError, OSError):
+        return "?"
 
 
 def launch_token(store: dist.Store) -> str:
@@ -5993,15 +6072,20 @@ def mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:,.2f}"
 
 
-def describe_traffic(cfg: RunConfig, traffic: dict[str, tuple[float, float]]) -> str:
-    """What rank 0's collectives moved per optimizer step, by kind (calls, MiB)."""
+def describe_traffic(cfg: RunConfig, d: Dist, traffic: dict[str, tuple[float, float]]) -> str:
+    """What rank 0's collectives moved per optimizer step, by kind (calls, MiB), and which crossed nodes."""
     shown = "; ".join(f"{kind} {calls:g} call(s), {mib(nbytes)} MiB" for kind, (calls, nbytes) in traffic.items())
     unseen = [what for what, on in (("fully_shard", cfg.sharding == "full"), ("ZeroRedundancyOptimizer",
               cfg.sharding == "optimizer"), ("tensor parallelism", cfg.tp > 1), ("pipelining", cfg.pp > 1))
               if on and cfg.ddp == "torch"]  # fmt: skip
     # Said first: after "nothing", a note reads as if torch's sharding sent nothing.
     unseen_note = f"collectives of torch's {' and '.join(unseen)}: not counted (out of this script's sight); the rest: "
-    return f"rank 0, per step: {unseen_note if unseen else ''}{shown or 'nothing'}"
+    replica, spans = d.tp * d.pp, d.world_size > d.local_world_size
+    crossing = ("every collective (a replica's ranks span nodes)" if d.local_world_size % replica else
+                "the data-parallel all-reduce alone" + (f" (each replica's {replica} ranks share a node)" if
+                                                        replica > 1 else ""))  # fmt: skip
+    return f"rank 0, per step: {unseen_note if unseen else ''}{shown or 'nothing'}" + (
+        f"; across nodes: {crossing}" if spans else "")  # fmt: skip
 
 
 def print_summary(cfg: RunConfig, d: Dist, side: SideWork, progress: Progress, wall_seconds: float,
@@ -6025,7 +6109,7 @@ def print_summary(cfg: RunConfig, d: Dist, side: SideWork, progress: Progress, w
         ("train loss", train_loss),
         ("val loss", f"{last_val['val_loss']:.4f} at step {last_val['step']}" if last_val else "- (no held-out lines)"),
         ("peak memory", peaks),
-        ("collectives", describe_traffic(cfg, side.traffic)),
+        ("collectives", describe_traffic(cfg, d, side.traffic)),
         *([describe_trace(cfg, side.trace)] if side.trace else []),
         ("outputs", ", ".join(str(p) for p in outputs)),
     ]
@@ -6639,6 +6723,8 @@ def resume_training(
 def run(cfg: RunConfig, d: Dist, started: float) -> None:
     log(d, f"[launch] {d.world_size} process(es); this is rank {d.rank} (local rank {d.local_rank})")
     log(d, f"[connect] backend {d.backend or 'none'} on {d.device}: {d.why}")
+    if nodes := describe_nodes(d):
+        log(d, nodes)
     if not cfg.show_examples:  # first: before this run reads or clears anything in the folder
         rank0_then_share(d, "could not write the outputs", lambda: OUTPUT_LOCK.hold(cfg.output_dir), UsageError)
     if rank0_then_share(d, "could not read the stop marker", lambda: stopped_in_an_earlier_attempt(cfg, d)):
@@ -6837,13 +6923,15 @@ def report_failure(error: Exception, cfg: RunConfig | None, d: Dist | None) -> i
         report_error(f"rank {d.rank}: another rank did not answer within --timeout-s {cfg.timeout_s:g} (it hung, "
                      f"or is far slower): {first_line(error)}", every_rank=True, after_peer=True)  # fmt: skip
     else:
-        report_error(f"rank {d.rank} lost contact with another rank, which probably failed first: {first_line(error)}",
+        who = next((name for address, name in NODES.items() if f"[{address}]" in str(error)), "another rank")
+        report_error(f"rank {d.rank} lost contact with {who}, which probably failed first: {first_line(error)}",
                      every_rank=True, after_peer=True)  # fmt: skip
     return 1
 
 
 def refuse_missing_inputs(cfg: RunConfig) -> None:
     """What each rank can find missing alone, refused as quickly as a bad flag: before the process group."""
+    check_socket_interfaces()
     if cfg.dataset:
         datasets_library()
     else:

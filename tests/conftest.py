@@ -255,6 +255,7 @@ LONGEST_FIRST = [
     "test_qwen_lora.py",
     "test_gpu_check.py",
     "test_around_the_loop.py",
+    "test_two_hosts.py",
     "test_memory_benchmark.py",
     "test_faults.py",
     "test_training_features.py",

@@ -1,0 +1,123 @@
+"""Past one machine, for real: two hosts made of network namespaces joined by a veth pair (tests/two_hosts.py),
+torchrun on each meeting through c10d rendezvous at host A's private address. Two hosts of two ranks train the
+weights four ranks train on one host, bit for bit, and the run header says which ranks are on which node and
+which interface and address their sockets use; a rank that cannot reach the address it was told to meet at says
+so in one line within seconds, not after --timeout-s; a wrong interface name is refused before the rendezvous."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from conftest import TINY, assert_bitwise_equal, run_jobs, weights
+from two_hosts import TwoHosts, finish, missing
+
+import llm_ddp_parallel_training as t
+
+pytestmark = pytest.mark.skipif(missing() is not None, reason=str(missing()))
+
+FLAGS = [*TINY, "--max-steps", "40", "--save-every", "10", "--dropout", "0.1", "--cache-dir", "none"]
+TIMEOUT_S = 20  # the unreachable run's --timeout-s: longer than host B's 10 s of trying, as 300 s by default is
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The two-host scenarios at once, each on its own pair of namespaces, beside the same runs on one host."""
+    root = tmp_path_factory.mktemp("hosts")
+    with TwoHosts() as good, TwoHosts() as lost, TwoHosts() as killed:
+        started, results = time.monotonic(), {}
+        again = [*FLAGS, "--output-dir", str(root / "host-lost")]
+        cut = [killed.torchrun(node, 2, again) for node in (0, 1)]
+        trained = [good.torchrun(node, 2, [*FLAGS, "--output-dir", str(root / "two-hosts")]) for node in (0, 1)]
+        # Host A is the rendezvous host but no host passes --local-addr: torchrun tells the ranks to meet at
+        # A's name, which each host resolves to its own loopback address (multi-host.md).
+        stuck_args = [*FLAGS, "--timeout-s", str(TIMEOUT_S), "--output-dir", str(root / "stuck")]
+        stuck = [lost.torchrun(0, 2, stuck_args, launcher=["--rdzv-conf", "is_host=1"]),
+                 lost.torchrun(1, 2, stuck_args, launcher=[])]  # fmt: skip
+        # Every process of host B killed once step 10's checkpoint is written; host A's ranks must end on their own.
+        checkpoint = root / "host-lost" / "checkpoints" / "step_00000010"
+        while not checkpoint.exists() and all(p.poll() is None for p in cut) and time.monotonic() < started + 200:
+            time.sleep(0.02)
+        killed.kill(1)
+        lost_at = time.monotonic()
+        results["host lost"] = finish(cut, 120)
+        results["host lost after s"], results["lost address"] = time.monotonic() - lost_at, killed.hosts[1].address
+        restarted = [killed.torchrun(node, 2, again) for node in (0, 1)]  # both hosts again, the same commands
+        one_host = run_jobs({name: [*FLAGS, *extra, "--output-dir", str(root / name)] for name, extra in
+                             (("one-host", []), ("one-host-tp", ["--tp", "2"]))}, nproc=4)  # fmt: skip
+        results |= {"restarted": finish(restarted, 240), "two hosts": finish(trained, 240)}
+        # Tensor parallelism inside each host (a tensor-parallel pair is two neighbouring ranks), data parallelism
+        # across them: the layout as it is run in practice.
+        split = [good.torchrun(node, 2, [*FLAGS, "--tp", "2", "--output-dir", str(root / "tp")]) for node in (0, 1)]
+        results |= {"tp": finish(split, 240), "stuck": finish(stuck, 240)}
+        results["seconds"] = time.monotonic() - started
+    return results, one_host, root
+
+
+def test_two_hosts_of_two_ranks_train_the_weights_of_four_ranks_on_one_host(runs):
+    results, one_host, root = runs
+    assert one_host["one-host"].returncode == 0, one_host["one-host"].output
+    for code, output in results["two hosts"]:
+        assert code == 0, output
+    assert_bitwise_equal(weights(root / "two-hosts"), weights(root / "one-host"), "2 hosts x 2 ranks against 4 ranks")
+
+
+def test_tensor_parallel_inside_each_host_and_data_parallel_across_them_is_exact_and_said(runs):
+    results, one_host, root = runs
+    assert one_host["one-host-tp"].returncode == 0, one_host["one-host-tp"].output
+    for code, output in results["tp"]:
+        assert code == 0, output
+    assert_bitwise_equal(weights(root / "tp"), weights(root / "one-host-tp"), "--tp 2 on 2 hosts against one host")
+    summary = next(out for out in (o for _, o in results["tp"]) if "[summary]" in out)
+    assert "across nodes: the data-parallel all-reduce alone (each replica's 2 ranks share a node)" in summary
+
+
+def test_the_header_says_which_ranks_are_on_which_node_and_their_interface_and_address(runs):
+    results, _, _ = runs
+    output = "".join(out for _, out in results["two hosts"])
+    (line,) = [line for line in output.splitlines() if line.startswith("[nodes] ")]
+    assert line.startswith("[nodes] 2 nodes: node 0 (") and ": ranks 0,1, Gloo on v" in line, line
+    assert ": ranks 2,3, Gloo on v" in line and line.count("(GLOO_SOCKET_IFNAME)") == 2, line
+    assert "10." in line and " ? " not in line, "each interface's own address"
+
+
+def test_ranks_that_cannot_reach_the_meeting_address_say_so_in_one_line_and_every_host_ends(runs):
+    results, _, _ = runs
+    (code_a, out_a), (code_b, out_b) = results["stuck"]
+    assert code_a not in (0, -9) and code_b not in (0, -9), (out_a, out_b)
+    # The ranks on the host that does not hold the store: one line each, the cause and the fix.
+    said = [line for line in out_b.splitlines() if "cannot reach the rendezvous store at " in line]
+    assert said and "resolves to 127." in said[0] and "--local-addr" in said[0] and "GLOO_SOCKET_IFNAME" in said[0]
+    # Host A's ranks reach their own store; they wait there for host B's for --timeout-s, then end too.
+    assert "could not join the process group" in out_a, out_a
+    assert results["seconds"] < 240, "both hosts ended (the bound: --timeout-s plus start-up, well inside)"
+
+
+def test_a_host_lost_mid_run_is_named_the_checkpoint_survives_and_the_same_commands_resume_bitwise(runs):
+    results, _, root = runs
+    (code_a, out_a), (code_b, _) = results["host lost"]
+    assert code_b == -9 and code_a == 1, out_a
+    lost = [line for line in out_a.splitlines() if line.startswith("error: rank ")]
+    named = (
+        f", {results['lost address']}), which probably failed first"  # "lost contact with node 1 (HOSTNAME, ADDRESS)"
+    )
+    assert lost and all("lost contact with node 1 (" in line and named in line for line in lost), lost
+    # A dead peer's sockets close at once: host A's ranks end in seconds (its agent's shutdown included).
+    assert results["host lost after s"] < 60
+    for code, output in results["restarted"]:
+        assert code == 0, output
+    restarted = "".join(out for _, out in results["restarted"])
+    assert "[resume] continuing from" in restarted and "step_00000010 (step 10" in restarted, restarted
+    assert_bitwise_equal(weights(root / "host-lost"), weights(root / "two-hosts"), "resumed after host B was lost")
+
+
+def test_a_socket_interface_this_host_does_not_have_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth9z")
+    with pytest.raises(t.UsageError, match=r"^GLOO_SOCKET_IFNAME=eth9z: this host has no interface eth9z \(it has lo"):
+        t.check_socket_interfaces()
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "l")  # NCCL's names are prefixes: "l" matches lo
+    t.check_socket_interfaces()
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "=l")  # ... unless the list starts with "="
+    with pytest.raises(t.UsageError, match=r"^NCCL_SOCKET_IFNAME==l: this host has no interface l "):
+        t.check_socket_interfaces()
