@@ -3009,6 +3009,20 @@ def describe_nodes(d: Dist) -> str | None:
 NODES: dict[str, str] = {}  # each node's socket address -> its name: a lost peer's address in an error names it
 
 
+def unreachable_nodes() -> list[str]:
+    """The nodes whose address no longer answers at all, after a collective timed out: a connection refused
+    is an answer (the host is there); silence or no route is a host or a link gone."""
+    gone = []
+    for address, name in NODES.items():
+        try:
+            socket.create_connection((address, 9), timeout=2).close()  # port 9 (discard): almost always refused
+        except ConnectionRefusedError:
+            continue
+        except OSError:
+            gone.append(name)
+    return gone
+
+
 def host_address() -> str:
     try:
         return socket.gethostbyname(socket.gethostname())
@@ -6920,8 +6934,9 @@ def report_failure(error: Exception, cfg: RunConfig | None, d: Dist | None) -> i
             sign in str(error) for sign in PEER_GONE))):  # fmt: skip
         raise error
     if silent:
+        gone = "".join(f"; {node} does not answer at all: its host or link is down" for node in unreachable_nodes())
         report_error(f"rank {d.rank}: another rank did not answer within --timeout-s {cfg.timeout_s:g} (it hung, "
-                     f"or is far slower): {first_line(error)}", every_rank=True, after_peer=True)  # fmt: skip
+                     f"or is far slower{gone}): {first_line(error)}", every_rank=True, after_peer=True)  # fmt: skip
     else:
         who = next((name for address, name in NODES.items() if f"[{address}]" in str(error)), "another rank")
         report_error(f"rank {d.rank} lost contact with {who}, which probably failed first: {first_line(error)}",

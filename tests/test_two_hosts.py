@@ -10,7 +10,7 @@ import time
 
 import pytest
 from conftest import TINY, assert_bitwise_equal, run_jobs, weights
-from two_hosts import TwoHosts, finish, missing
+from two_hosts import TwoHosts, finish, ip, missing
 
 import llm_ddp_parallel_training as t
 
@@ -24,24 +24,42 @@ TIMEOUT_S = 20  # the unreachable run's --timeout-s: longer than host B's 10 s o
 def runs(tmp_path_factory):
     """The two-host scenarios at once, each on its own pair of namespaces, beside the same runs on one host."""
     root = tmp_path_factory.mktemp("hosts")
-    with TwoHosts() as good, TwoHosts() as lost, TwoHosts() as killed:
+    with TwoHosts() as good, TwoHosts() as lost, TwoHosts() as killed, TwoHosts() as severed:
         started, results = time.monotonic(), {}
         again = [*FLAGS, "--output-dir", str(root / "host-lost")]
         cut = [killed.torchrun(node, 2, again) for node in (0, 1)]
+        unplugged = [severed.torchrun(node, 2, [*FLAGS, "--timeout-s", str(TIMEOUT_S), "--output-dir",
+                                                str(root / "link-down")]) for node in (0, 1)]  # fmt: skip
         trained = [good.torchrun(node, 2, [*FLAGS, "--output-dir", str(root / "two-hosts")]) for node in (0, 1)]
         # Host A is the rendezvous host but no host passes --local-addr: torchrun tells the ranks to meet at
         # A's name, which each host resolves to its own loopback address (multi-host.md).
         stuck_args = [*FLAGS, "--timeout-s", str(TIMEOUT_S), "--output-dir", str(root / "stuck")]
         stuck = [lost.torchrun(0, 2, stuck_args, launcher=["--rdzv-conf", "is_host=1"]),
                  lost.torchrun(1, 2, stuck_args, launcher=[])]  # fmt: skip
-        # Every process of host B killed once step 10's checkpoint is written; host A's ranks must end on their own.
-        checkpoint = root / "host-lost" / "checkpoints" / "step_00000010"
-        while not checkpoint.exists() and all(p.poll() is None for p in cut) and time.monotonic() < started + 200:
+        # Once step 10's checkpoint is written, every process of one run's host B is killed, and the other run's
+        # host B loses its link (no socket closes: host A's ranks notice it at --timeout-s). Host A's ranks must
+        # end on their own. (The unplugged host B's torchrun, cut off from the store on host A, waits on: it is
+        # killed at the end.)
+        watched = {"host-lost": (lambda: killed.kill(1), cut), "link-down": (lambda: ip(
+            "-n", severed.hosts[1].namespace, "link", "set", severed.hosts[1].link, "down"), unplugged)}  # fmt: skip
+        when = {}
+        while len(when) < len(watched) and time.monotonic() < started + 200:
+            for name, (act, procs) in watched.items():
+                done = (root / name / "checkpoints" / "step_00000010").exists() or procs[0].poll() is not None
+                if name not in when and done:
+                    act()
+                    when[name] = time.monotonic()
             time.sleep(0.02)
-        killed.kill(1)
-        lost_at = time.monotonic()
         results["host lost"] = finish(cut, 120)
-        results["host lost after s"], results["lost address"] = time.monotonic() - lost_at, killed.hosts[1].address
+        results["host lost after s"], results["lost address"] = (
+            time.monotonic() - when["host-lost"],
+            killed.hosts[1].address,
+        )
+        results["link down"] = finish(unplugged[:1], TIMEOUT_S + 60)[0]
+        results["link down after s"], results["cut address"] = (
+            time.monotonic() - when["link-down"],
+            severed.hosts[1].address,
+        )
         restarted = [killed.torchrun(node, 2, again) for node in (0, 1)]  # both hosts again, the same commands
         one_host = run_jobs({name: [*FLAGS, *extra, "--output-dir", str(root / name)] for name, extra in
                              (("one-host", []), ("one-host-tp", ["--tp", "2"]))}, nproc=4)  # fmt: skip
@@ -109,6 +127,18 @@ def test_a_host_lost_mid_run_is_named_the_checkpoint_survives_and_the_same_comma
     restarted = "".join(out for _, out in results["restarted"])
     assert "[resume] continuing from" in restarted and "step_00000010 (step 10" in restarted, restarted
     assert_bitwise_equal(weights(root / "host-lost"), weights(root / "two-hosts"), "resumed after host B was lost")
+
+
+def test_a_link_taken_down_is_noticed_at_timeout_s_and_named_and_the_last_checkpoint_stays(runs):
+    results, _, root = runs
+    code, output = results["link down"]
+    assert code == 1, output
+    said = [line for line in output.splitlines() if line.startswith("error: rank ")]
+    named = f", {results['cut address']}) does not answer at all: its host or link is down"  # "node 1 (HOSTNAME, ..."
+    assert len(said) == 2 and all(f"did not answer within --timeout-s {TIMEOUT_S}" in line for line in said), said
+    assert all("node 1 (" in line and named in line for line in said), said
+    assert results["link down after s"] < TIMEOUT_S + 30, "the bound: --timeout-s plus at most 30 s"
+    assert t.read_checkpoint(root / "link-down" / "checkpoints" / "step_00000010")["progress"]["step"] == 10
 
 
 def test_a_socket_interface_this_host_does_not_have_is_refused_in_one_line(monkeypatch):

@@ -74,7 +74,7 @@ class TwoHosts:
         for proc in self.started:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+            proc.wait(timeout=30)  # (its output is finish()'s to read)
         for node, h in enumerate(self.hosts):
             self.kill(node)  # anything a test left there
             subprocess.run(["ip", "netns", "del", h.namespace], capture_output=True)  # its end of the pair with it
