@@ -212,18 +212,18 @@ def test_top_p_draws_only_from_the_fewest_likeliest_tokens_and_temperature_0_is_
     assert t.next_token(logits, 0.0, 1.0, gen).item() == 0
 
 
-def chat(args: list[str], **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], env=child_env(), capture_output=True, text=True,
-                          timeout=120, **kwargs)  # fmt: skip
+def chat(args: list[str], capsys) -> str:
+    """What --chat prints, run through the script's main() in this process (a process of its own costs seconds)."""
+    t.main(args)
+    return capsys.readouterr().out
 
 
-def test_chat_answers_a_prompt_from_a_tiny_checkpoint_the_same_for_the_same_seed(runs):
+def test_chat_answers_a_prompt_from_a_tiny_checkpoint_the_same_for_the_same_seed(runs, capsys):
     _, root = runs
     ask = ["--chat", str(root / "plain" / "tiny_transformer.pt"), "--prompt", "The gradient", "--cpu"]
-    first, again, other = chat(ask), chat(ask), chat([*ask, "--seed", "7"])
-    assert first.returncode == 0, first.stderr
-    assert first.stdout.startswith("you> The gradient\nmodel> ") and first.stdout == again.stdout
-    assert other.stdout != first.stdout
+    first, again, other = chat(ask, capsys), chat(ask, capsys), chat([*ask, "--seed", "7"], capsys)
+    assert first.startswith("you> The gradient\nmodel> ") and first.endswith("\n") and first == again
+    assert other != first
 
 
 @pytest.mark.parametrize("folder", ["qwen_lora", "merged"])
@@ -231,8 +231,7 @@ def test_chat_answers_through_the_chat_template_from_an_adapter_folder_and_a_mer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _, root = runs
-    t.main(["--chat", str(root / "chat" / folder), "--prompt", USERS[0], "--sample-tokens", "6"])
-    shown = capsys.readouterr().out
+    shown = chat(["--chat", str(root / "chat" / folder), "--prompt", USERS[0], "--sample-tokens", "6"], capsys)
     # The same reply as the merged model's own greedy generate() through the chat template (streamed, then a line end).
     merged = root / "chat" / "merged"
     model, tokenizer = AutoModelForCausalLM.from_pretrained(merged), AutoTokenizer.from_pretrained(merged)
