@@ -6100,8 +6100,8 @@ def describe_traffic(cfg: RunConfig, d: Dist, traffic: dict[str, tuple[float, fl
     unseen_note = f"collectives of torch's {' and '.join(unseen)}: not counted (out of this script's sight); the rest: "
     replica, spans = d.tp * d.pp, d.world_size > d.local_world_size
     crossing = ("every collective (a replica's ranks span nodes)" if d.local_world_size % replica else
-                "the data-parallel all-reduce alone" + (f" (each replica's {replica} ranks share a node)" if
-                                                        replica > 1 else ""))  # fmt: skip
+                f"the data-parallel ones alone (each replica's {replica} ranks share a node)" if replica > 1 else
+                "every collective (each rank is a replica of its own)")  # fmt: skip
     return f"rank 0, per step: {unseen_note if unseen else ''}{shown or 'nothing'}" + (
         f"; across nodes: {crossing}" if spans else "")  # fmt: skip
 

@@ -87,7 +87,7 @@ def test_tensor_parallel_inside_each_host_and_data_parallel_across_them_is_exact
         assert code == 0, output
     assert_bitwise_equal(weights(root / "tp"), weights(root / "one-host-tp"), "--tp 2 on 2 hosts against one host")
     summary = next(out for out in (o for _, o in results["tp"]) if "[summary]" in out)
-    assert "across nodes: the data-parallel all-reduce alone (each replica's 2 ranks share a node)" in summary
+    assert "across nodes: the data-parallel ones alone (each replica's 2 ranks share a node)" in summary
 
 
 def test_the_header_says_which_ranks_are_on_which_node_and_their_interface_and_address(runs):
