@@ -224,6 +224,8 @@ class RunConfig:
     precision: str = flag("auto", "autocast: auto is bf16 on GPUs that support it, else fp32; fp16 (GPU only) uses a "
                           "GradScaler", choices=["auto", "fp32", "bf16", "fp16"])  # fmt: skip
     tf32: bool = flag(True, "TF32 for fp32 matmuls on CUDA GPUs", action=argparse.BooleanOptionalAction)
+    compile: bool = flag(False, "torch.compile each Transformer block: faster steps once the first ones have "
+                         "compiled (minutes for a large model)", action="store_true")  # fmt: skip
 
     val_fraction: float = flag(0.1, "share of lines held out for validation", "validation and reporting",
                                within=PROBABILITY)  # fmt: skip
@@ -2786,6 +2788,9 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         raise UsageError(f"--report-to {missing[0]} needs its library: pip install {' '.join(missing)}")
     if cfg.chat and not cfg.chat.exists():
         raise UsageError(f"--chat {cfg.chat}: no such file or folder; name a checkpoint or a folder a run wrote")
+    if cfg.compile and (cfg.sharding == "full" or cfg.tp * cfg.pp > 1):
+        raise UsageError("--compile runs under DDP and --sharding optimizer; not yet with --sharding full, --tp or "
+                         "--pp: leave it out")  # fmt: skip
     if cfg.sample_every and (cfg.sharding == "full" or cfg.tp * cfg.pp > 1):
         raise UsageError("--sample-every samples rank 0's whole model, which --sharding full, --tp and --pp split: "
                          "leave it out (the sample at the end reads the saved model back)")  # fmt: skip
@@ -3000,10 +3005,13 @@ def describe_nodes(d: Dist) -> str | None:
     dist.all_gather_object(every, mine, d.control)
     nodes = {node: [r for r, other in enumerate(every) if other == node] for node in dict.fromkeys(every)}
     NODES.update({address: f"node {n} ({host}, {address})" for n, host, address, _ in nodes})
+    env = os.environ  # torch 2.13's agent on the store's host keeps its first round's store address, never resent:
+    stuck = env.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0" and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     return f"[nodes] {len(nodes)} nodes: " + "; ".join(
         f"node {n} ({host}): ranks {','.join(map(str, ranks))}, Gloo on {sockets}"
         for (n, host, _, sockets), ranks in nodes.items()
-    )
+    ) + ("\n[nodes] warning: under --max-restarts a host started again would wait for the store's address: set "
+         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every host" if stuck else "")  # fmt: skip
 
 
 NODES: dict[str, str] = {}  # each node's socket address -> its name: a lost peer's address in an error names it
@@ -5416,6 +5424,8 @@ class SideWork(Hooks):
         stats.timeline = self.timeline
         self.offsets = clock_offsets(d) if self.timeline else []
         self.predicted = predict_memory(cfg, d, kit)  # from the whole model, before any sharding
+        for block in kit.blocks if cfg.compile else ():  # block by block, as torchtitan does: one graph serves every
+            block.compile()  # block, and the wrapper's hooks between blocks stay outside the compiled code
 
     def start(self, model: Layout, named_params: list, optimizer: torch.optim.Optimizer,
               sampler: DistributedSampler, steps_per_epoch: int) -> Progress:  # fmt: skip

@@ -146,10 +146,6 @@ def build_models(folder: Path, shapes: dict[str, dict], lines: list[str], smoke:
     return models
 
 
-def has_flag(name: str) -> bool:
-    return name in script.build_arg_parser()._option_string_actions
-
-
 def child_env(smoke: bool) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env |= {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -209,8 +205,8 @@ def medians(records: list[dict], warmup: int) -> dict:
 
 def run_config(c: Config, sizes: Sizes, models: dict[str, Path | str], corpus: Path, out: Path, smoke: bool) -> dict:
     record: dict = {"status": "ok"}
-    if c.compile and not has_flag("--compile"):
-        return {"status": "skipped", "error": "llm_ddp_parallel_training.py has no --compile flag yet"}
+    if c.compile and smoke:  # a CPU spends the row's seconds compiling; tests/test_training_features.py runs it
+        return {"status": "skipped", "error": "--compile is not timed on CPU"}
     run = out / "runs" / re.sub(r"\W+", "_", c.name)
     run.mkdir(parents=True)
     log = out / "logs" / f"{run.name}.log"

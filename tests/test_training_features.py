@@ -33,6 +33,7 @@ VAL_FRACTION = 0.07  # 26 of 375 lines: 39 packed examples, an odd count
 
 
 CLIP, CLIP_LR = 0.1, 0.5
+COMPARED = ["--dropout", "0", "--max-steps", "4", "--log-every", "1", "--val-fraction", "0"]  # --compile or not
 SMALL_CORPUS = [f"line {i}: each rank averages the gradients it computed." for i in range(12)]
 
 
@@ -40,7 +41,8 @@ SMALL_CORPUS = [f"line {i}: each rank averages the gradients it computed." for i
 def two_ranks(tmp_path_factory):
     """Every 2-rank run of this module, in one launch. Name -> (the run, its output folder)."""
     root = tmp_path_factory.mktemp("two_ranks")
-    outs = {name: root / name for name in ("reported", "clipped", "bf16", "epochs", "capped", "small")}
+    outs = {name: root / name for name in ("reported", "clipped", "bf16", "epochs", "capped", "small", "compiled",
+                                           "eager")}  # fmt: skip
     for out in outs.values():
         out.mkdir()
     corpus = root / "small.txt"
@@ -59,6 +61,8 @@ def two_ranks(tmp_path_factory):
         "capped": [*TINY, "--epochs", "2", "--max-steps", "3"],
         "small": [*TINY, "--corpus-file", str(corpus), "--batch-size", "1", "--max-steps", "2",
                   "--metrics-file", str(root / "small-metrics.jsonl")],
+        "compiled": [*TINY, "--compile", *COMPARED],
+        "eager": [*TINY, *COMPARED],
     }  # fmt: skip
     ran = run_jobs(
         {name: [*args, "--output-dir", str(outs[name])] for name, args in jobs.items()}, nproc=2, timeout=480
@@ -185,6 +189,25 @@ def test_gradient_clipping_caps_the_synchronised_global_norm(two_ranks):
     moved = math.sqrt(sum((end[k] - start[k]).double().square().sum().item() for k in start))
     assert json.loads((out / "m.jsonl").read_text())["grad_norm"] > clip  # the norm before clipping
     assert moved == pytest.approx(lr * clip, rel=1e-4)
+
+
+def test_compile_trains_under_ddp_what_the_uncompiled_blocks_train(two_ranks):
+    (compiled, out), (eager, reference) = two_ranks["compiled"], two_ranks["eager"]
+    assert_ok(compiled)
+    assert_ok(eager)
+    assert len(compiled.losses()) == 4 == len(eager.losses())  # rank 0 logs
+    # Inductor fuses the block's operations and may sum in another order: fp32 rounding, not other maths.
+    assert compiled.losses() == pytest.approx(eager.losses(), rel=1e-5)
+    ours, theirs = (torch.load(o / t.TINY_FINAL, weights_only=True)["model"] for o in (out, reference))
+    assert ours.keys() == theirs.keys(), "compiling in place keeps the checkpoint's keys"
+    for name, value in ours.items():
+        torch.testing.assert_close(value, theirs[name], rtol=0, atol=1e-5, msg=name)
+
+
+def test_compile_is_refused_in_one_line_where_the_blocks_are_sharded_or_split():
+    for layout in (["--sharding", "full"], ["--tp", "2"], ["--pp", "2"]):
+        with pytest.raises(t.UsageError, match=r"^--compile runs under DDP and --sharding optimizer; not yet with"):
+            t.parse_args(["--compile", *layout])
 
 
 def test_bf16_autocast_runs_and_learns_on_cpu(two_ranks):

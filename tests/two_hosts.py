@@ -87,11 +87,12 @@ class TwoHosts:
                 os.kill(int(pid), signal.SIGKILL)
 
     def torchrun(self, node: int, nproc: int, args: list[str], env: dict[str, str] | None = None,
-                 launcher: list[str] | None = None) -> subprocess.Popen:  # fmt: skip
+                 launcher: list[str] | None = None, max_restarts: int = 0) -> subprocess.Popen:  # fmt: skip
         """Start torchrun on host `node` (0: A, the rendezvous) with nproc ranks of the script; its output piped."""
         host, rdzv = self.hosts[node], self.hosts[0]
         if launcher is None:
             launcher = ["--local-addr", host.address, *(["--rdzv-conf", "is_host=1"] if node == 0 else [])]
+        launcher = [*launcher, "--max-restarts", str(max_restarts)]
         cmd = ["ip", "netns", "exec", host.namespace, sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
                "--node-rank", str(node), f"--nproc-per-node={nproc}", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                f"{rdzv.address}:{PORT}", "--rdzv-id", "two-hosts", *launcher, str(SCRIPT), *args]  # fmt: skip
