@@ -2993,7 +2993,8 @@ def check_socket_interfaces() -> None:
 
 def describe_nodes(d: Dist) -> str | None:
     """Which ranks run on which node (torchrun's GROUP_RANK), and the interface and address each node's
-    sockets use: gathered from every rank (one collective) where the ranks span nodes; else None."""
+    sockets use: gathered from every rank (one collective) where the ranks span nodes; else None. Then a
+    warning where torchrun's --max-restarts could not bring a lost node back."""
     if d.world_size == d.local_world_size:
         return None
     gloo = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]

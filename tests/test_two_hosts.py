@@ -2,7 +2,9 @@
 torchrun on each meeting through c10d rendezvous at host A's private address. Two hosts of two ranks train the
 weights four ranks train on one host, bit for bit, and the run header says which ranks are on which node and
 which interface and address their sockets use; a rank that cannot reach the address it was told to meet at says
-so in one line within seconds, not after --timeout-s; a wrong interface name is refused before the rendezvous."""
+so in one line within seconds, not after --timeout-s; a wrong interface name is refused before the rendezvous.
+A host lost (every process killed, or its link down) is named by the other host's ranks, which end; the same
+commands started again resume bitwise, and under torchrun's --max-restarts a host started again rejoins."""
 
 from __future__ import annotations
 
@@ -104,6 +106,7 @@ def test_tensor_parallel_inside_each_host_and_data_parallel_across_them_is_exact
     assert "across nodes: the data-parallel ones alone (each replica's 2 ranks share a node)" in summary
     # Started under --max-restarts with torch's shared store, the run warns that a host could not come back.
     assert "[nodes] warning: under --max-restarts a host started again would wait for the store's address" in summary
+    assert all("[resume]" not in output for _, output in results["tp"]), "it ran through, with no restart"
 
 
 def test_the_header_says_which_ranks_are_on_which_node_and_their_interface_and_address(runs):
