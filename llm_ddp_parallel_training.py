@@ -2788,6 +2788,8 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         raise UsageError(f"--report-to {missing[0]} needs its library: pip install {' '.join(missing)}")
     if cfg.chat and not cfg.chat.exists():
         raise UsageError(f"--chat {cfg.chat}: no such file or folder; name a checkpoint or a folder a run wrote")
+    if cfg.chat and (cfg.nproc or int(os.environ.get("WORLD_SIZE", "1")) > 1):  # one conversation, not one per rank
+        raise UsageError("--chat runs as one process: leave out --nproc and torchrun")
     if cfg.compile and (cfg.sharding == "full" or cfg.tp * cfg.pp > 1):
         raise UsageError("--compile runs under DDP and --sharding optimizer; not yet with --sharding full, --tp or "
                          "--pp: leave it out")  # fmt: skip

@@ -204,6 +204,16 @@ def test_sample_every_is_refused_where_no_rank_holds_the_whole_model():
             t.parse_args(["--sample-every", "5", *split])
 
 
+def test_chat_is_refused_in_one_line_under_nproc_or_torchrun(tmp_path, monkeypatch):
+    checkpoint = tmp_path / "tiny_transformer.pt"
+    checkpoint.touch()
+    with pytest.raises(t.UsageError, match=r"^--chat runs as one process: leave out --nproc and torchrun$"):
+        t.parse_args(["--chat", str(checkpoint), "--nproc", "2"])
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it for each rank
+    with pytest.raises(t.UsageError, match=r"^--chat runs as one process"):
+        t.parse_args(["--chat", str(checkpoint)])
+
+
 def test_top_p_draws_only_from_the_fewest_likeliest_tokens_and_temperature_0_is_greedy():
     logits = torch.tensor([2.0, 1.0, 0.5, -1.0]).log_softmax(-1)  # probabilities 0.61, 0.22, 0.14, 0.03
     gen = torch.Generator().manual_seed(0)
