@@ -8,6 +8,10 @@ commands started again resume bitwise, and under torchrun's --max-restarts a hos
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
 import time
 
 import pytest
@@ -43,6 +47,7 @@ def runs(tmp_path_factory):
         stuck_args = [*FLAGS, "--timeout-s", str(TIMEOUT_S), "--output-dir", str(root / "stuck")]
         stuck = [lost.torchrun(0, 1, stuck_args, launcher=["--rdzv-conf", "is_host=1"]),
                  lost.torchrun(1, 1, stuck_args, launcher=[])]  # fmt: skip
+        deadline = time.monotonic() + 200  # they end on their own by then: --timeout-s plus start-up, however busy
 
         # Once step 10's checkpoint is written, every process of one run's host B is killed, and the other run's
         # host B loses its link (no socket closes: host A's ranks notice it at --timeout-s). Host A's ranks must
@@ -83,8 +88,12 @@ def runs(tmp_path_factory):
         # across them: the layout as it is run in practice.
         split = [good.torchrun(node, 2, [*FLAGS, "--tp", "2", "--output-dir", str(root / "tp")], max_restarts=1)
                  for node in (0, 1)]  # fmt: skip
+        for proc in stuck:  # one still running at the deadline is killed: code -9, and its test fails
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.1, deadline - time.monotonic()))  # (their output is small: the pipe holds it)
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
         results |= {"tp": finish(split, 240), "stuck": finish(stuck, 240), "rejoined": finish(elastic, 240)}
-        results["seconds"] = time.monotonic() - started
     return results, one_host, root
 
 
@@ -127,7 +136,6 @@ def test_ranks_that_cannot_reach_the_meeting_address_say_so_in_one_line_and_ever
     assert said and "resolves to 127." in said[0] and "--local-addr" in said[0] and "GLOO_SOCKET_IFNAME" in said[0]
     # Host A's ranks reach their own store; they wait there for host B's for --timeout-s, then end too.
     assert "could not join the process group" in out_a, out_a
-    assert results["seconds"] < 240, "both hosts ended (the bound: --timeout-s plus start-up, well inside)"
 
 
 def test_a_host_lost_mid_run_is_named_the_checkpoint_survives_and_the_same_commands_resume_bitwise(runs):
