@@ -80,6 +80,7 @@ def shared(first) -> SimpleNamespace:
     """
     root, uninterrupted, rollback, crash = first.root, first.uninterrupted, first.rollback, first.root / "crash"
     crashed = launch([*RUN, "--output-dir", str(crash), "--inject-fault", "0:80:save", "--nproc", "2"], timeout=280)
+    assert (crash / "checkpoints").is_dir(), crashed.output  # no checkpoint at all: the launch says why
     after_crash = files_of_each_checkpoint(crash)
 
     def copy(name: str) -> Path:
