@@ -274,6 +274,9 @@ class RunConfig:
     pp_schedule: str = flag("1f1b", "gpipe: every micro-batch forward, then every backward; 1f1b: one forward, one "
                             "backward, as soon as they can (less activation memory)",
                             choices=["gpipe", "1f1b"])  # fmt: skip
+    cp: int = flag(1, "context parallelism: each example's sequence split across N ranks, ring attention passing "
+                   "keys and values around them; the data-parallel degree is the world size / (tp x pp x cp)",
+                   within=POSITIVE, metavar="N")  # fmt: skip
 
     save_every: int = flag(0, "full training state every N steps and at the end (0: off)", "checkpoints and resume",
                            within=COUNT, metavar="N")  # fmt: skip
@@ -309,7 +312,7 @@ class RunConfig:
 CORE_SETTINGS = ("corpus_file", "output_dir", "seed", "seq_len", "pack", "d_model", "n_heads", "n_layers", "dropout",
                  "batch_size", "max_steps", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "ddp",
                  "sharding", "bucket_mb", "grad_accum_steps", "loss_normalization", "optimizer", "grad_compression",
-                 "tp", "pp", "pp_schedule", "backend", "cpu", "timeout_s")  # fmt: skip
+                 "tp", "pp", "pp_schedule", "cp", "backend", "cpu", "timeout_s")  # fmt: skip
 
 
 def settle_defaults(args: argparse.Namespace, typed: set[str]) -> None:
@@ -348,10 +351,11 @@ class Dist:
     control: dist.ProcessGroup | None = None  # Gloo group for host numbers under NCCL (None: the default group)
     store: dist.Store | None = None  # the rendezvous key-value store the ranks met in
     launch: str | None = None  # this torchrun launch, the same in all its restarts (launch_token)
-    # Model splitting (split_model) lays the ranks out as a grid: dp replicas x pp stages x tp slices,
-    # rank = (dp_rank x pp + pp_rank) x tp + tp_rank, so a tensor-parallel group is neighbouring ranks.
+    # Model splitting (split_model) lays the ranks out as a grid: dp replicas x pp stages x tp slices x cp
+    # sequence parts, rank = ((dp_rank x pp + pp_rank) x tp + tp_rank) x cp + cp_rank: a group is neighbours.
     tp: int = 1
     pp: int = 1
+    cp: int = 1
     mesh: object | None = None  # the grid as torch's DeviceMesh, whose groups both splits use; None: no split
 
     @classmethod
@@ -383,22 +387,35 @@ class Dist:
     @property
     def dp(self) -> int:
         """Data-parallel replicas: ranks holding (and splitting) the same model see different data."""
-        return self.world_size // (self.tp * self.pp)
+        return self.world_size // (self.tp * self.pp * self.cp)
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // (self.tp * self.pp)
+        return self.rank // (self.tp * self.pp * self.cp)
 
     @property
     def pp_rank(self) -> int:
-        return self.rank // self.tp % self.pp
+        return self.rank // (self.tp * self.cp) % self.pp
 
     @property
     def tp_rank(self) -> int:
-        return self.rank % self.tp
+        return self.rank // self.cp % self.tp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.rank % self.cp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same weights, which average their gradients: the replicas and, within each,
+        its context-parallel ranks (the same example, other tokens)."""
+        return self.dp * self.cp
 
     def group(self, dim: str) -> dist.ProcessGroup | None:
-        """The ranks that share this rank's place along one dimension of the grid ("dp", "pp", "tp")."""
+        """The ranks that share this rank's place along one dimension of the grid ("dp", "pp", "tp", "cp"), or
+        "dp_cp": the ranks that average their gradients (replicas)."""
+        if dim == "dp_cp" and self.cp == 1:
+            dim = "dp"
         return self.mesh.get_group(dim) if self.mesh is not None else None
 
 
@@ -472,16 +489,19 @@ def setup_distributed(cfg: RunConfig, meet: Callable[[timedelta], tuple] = lambd
 
 
 def laid_out(d: Dist, cfg: RunConfig) -> Dist:
-    """The ranks as a grid of dp replicas x pp stages x tp slices (split_model), when the model is split."""
-    if cfg.tp * cfg.pp == 1 or not d.distributed:
+    """The ranks as a grid of dp replicas x pp stages x tp slices x cp parts (split_model), when the model is split."""
+    if cfg.tp * cfg.pp * cfg.cp == 1 or not d.distributed:
         return d
-    if d.world_size % (cfg.tp * cfg.pp):
-        raise UsageError(f"--tp {cfg.tp} x --pp {cfg.pp} does not divide the {d.world_size} ranks into replicas")
+    if d.world_size % (cfg.tp * cfg.pp * cfg.cp):
+        split = f"--tp {cfg.tp} x --pp {cfg.pp}" + (f" x --cp {cfg.cp}" if cfg.cp > 1 else "")
+        raise UsageError(f"{split} does not divide the {d.world_size} ranks into replicas")
     from torch.distributed.device_mesh import init_device_mesh
 
-    shape = (d.world_size // (cfg.tp * cfg.pp), cfg.pp, cfg.tp)
-    mesh = init_device_mesh(d.device.type, shape, mesh_dim_names=("dp", "pp", "tp"))
-    return replace(d, tp=cfg.tp, pp=cfg.pp, mesh=mesh)
+    shape = (d.world_size // (cfg.tp * cfg.pp * cfg.cp), cfg.pp, cfg.tp, cfg.cp)
+    mesh = init_device_mesh(d.device.type, shape, mesh_dim_names=("dp", "pp", "tp", "cp"))
+    if cfg.cp > 1:  # the replicas and their cp ranks hold the same weights: one group averages their gradients
+        mesh["dp", "cp"]._flatten("dp_cp")
+    return replace(d, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, mesh=mesh)
 
 
 def teardown_distributed() -> None:
@@ -751,13 +771,15 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(c.d_model, 3 * c.d_model, bias=False)
         self.proj = nn.Linear(c.d_model, c.d_model, bias=False)
         self.own_dropout = contextlib.nullcontext  # TensorParallel: its own heads, its own mask
+        # is_causal masks every j > i: a token never sees the bytes it must predict (ContextParallel: a ring's)
+        self.attend = functools.partial(F.scaled_dot_product_attention, is_causal=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         # As many heads as qkv gives: all of them, or under tensor parallelism this rank's share.
         q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in self.qkv(x).chunk(3, dim=2))
-        with self.own_dropout():  # is_causal masks every j > i: a token never sees the bytes it must predict
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0)
+        with self.own_dropout():
+            y = self.attend(q, k, v, dropout_p=self.dropout if self.training else 0.0)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -793,11 +815,13 @@ class TinyTransformer(nn.Module):
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         # A pipeline stage (Pipeline) is this model with the other stages' parts taken out: only the
         # first embeds token ids, only the last ends in the head; the others pass hidden states on.
+        # `positions`: each token's place in its example (ContextParallel: a rank holds two pieces of it).
         if self.tok_emb is not None:
-            x = self.drop(self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device)))
+            at = torch.arange(x.shape[1], device=x.device) if positions is None else positions
+            x = self.drop(self.tok_emb(x) + self.pos_emb(at))
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x)) if self.head is not None else x
@@ -856,7 +880,7 @@ def build_tiny_kit(cfg: RunConfig, d: Dist, lines: Lines, val_lines: Lines | Non
         model=model,
         train=ShiftingWindows(lines, cfg.seq_len, cfg.seed) if cfg.pack else ByteWindows(lines, cfg.seq_len, False),
         val=ByteWindows(val_lines, cfg.seq_len, cfg.pack) if val_lines is not None and len(val_lines) else None,
-        loss=lambda m, ids, targets: token_loss_sum(m(ids), targets),
+        loss=lambda m, ids, targets, *positions: token_loss_sum(m(ids, *positions), targets),
         save_final=save_final,
         final_name=TINY_FINAL,
         final_label="model checkpoint",
@@ -890,7 +914,7 @@ DDP_TAKES = inspect.signature(DDP.__init__).parameters
 
 def wrap_data_parallel(model: nn.Module, cfg: RunConfig, d: Dist, stats: CommStats,
                        split: ModelSplit | None = None) -> nn.Module:  # fmt: skip
-    if not d.distributed or (split and d.dp == 1):
+    if not d.distributed or (split and d.replicas == 1):
         return Wrapper(model, split)  # one plain process, or one model split over every rank: nothing to average
     if cfg.ddp == "manual":
         return ManualDDP(model, d, cfg.bucket_mb, stats, split)
@@ -899,7 +923,7 @@ def wrap_data_parallel(model: nn.Module, cfg: RunConfig, d: Dist, stats: CommSta
     # rest of backward still runs, so every rank ends the step with the same gradient.
     ddp = TorchDDP(
         model,
-        process_group=d.group("dp"),  # under model splitting: the replicas of this rank's slice
+        process_group=d.group("dp_cp"),  # under model splitting: the replicas of this rank's slice
         device_ids=[d.device.index] if d.device.type == "cuda" else None,
         bucket_cap_mb=cfg.bucket_mb,
         find_unused_parameters=True,  # one bucket layout for the whole run, ManualDDP's: see TorchDDP
@@ -1108,7 +1132,7 @@ class ManualDDP(Wrapper):
     def __init__(self, module: nn.Module, d: Dist, bucket_mb: float, stats: CommStats,
                  split: ModelSplit | None = None) -> None:  # fmt: skip
         super().__init__(module, split)
-        self.world_size, self.stats, self.group = d.dp, stats, d.group("dp")
+        self.world_size, self.stats, self.group = d.replicas, stats, d.group("dp_cp")
         start_equal(module, self.group)
         self.buckets: list[Bucket] = []
         self.place: dict[nn.Parameter, tuple[Bucket, int]] = {}
@@ -1266,12 +1290,12 @@ def loss_scale(cfg: RunConfig, d: Dist, micro_tokens: int, global_tokens: float)
     global-tokens: world_size / global_tokens. DDP averages (divides by world_size), so the
       gradient is exactly that of sum(every token loss) / global_tokens: the mean over every
       target token of the global batch, whatever the split across ranks and micro-steps. (Under
-      model splitting DDP averages over the data-parallel replicas only: d.dp, not world_size.)
+      model splitting DDP averages over the ranks holding the same weights only: d.replicas.)
     mean-of-means: 1 / (micro_tokens * k). Each micro-batch's own mean, averaged over micro-steps
       and then over ranks: a token in a short micro-batch weighs more than one in a long one.
     """
     if cfg.loss_normalization == "global-tokens":
-        return d.dp / global_tokens
+        return d.replicas / global_tokens
     return 1.0 / (micro_tokens * cfg.grad_accum_steps)
 
 
@@ -1444,7 +1468,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, hooks: Hooks | None = None) ->
     while progress.step < cfg.max_steps:
         step, started = progress.step + 1, time.perf_counter()
         hooks.begin_step(step)
-        cpu_batches = next(stream)
+        cpu_batches = [model.split.own_part(batch) for batch in next(stream)]  # under --cp: this rank's tokens
         # Count target tokens while the batch is still on the CPU: on a GPU it would be a sync.
         micro_tokens = [int((batch[1] != IGNORE_INDEX).sum()) for batch in cpu_batches]
         micro_batches = [tuple(t.to(d.device, non_blocking=True) for t in batch) for batch in cpu_batches]
@@ -2028,6 +2052,10 @@ class ModelSplit:
         """What of one replica's model this rank holds, in words (the memory table)."""
         return "the whole model"
 
+    def own_part(self, batch: tuple) -> tuple:
+        """What of a micro-batch this rank computes: here all of it."""
+        return batch
+
 
 def tensor_parallel_sum(t: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None) -> torch.Tensor:
     """The all-reduce of tensor parallelism, in place; counted and traced when a run's stats watch."""
@@ -2448,10 +2476,151 @@ class TorchPipeline(Pipeline):
         return losses[-len(batches) :]  # the micro-batches' own, without that first check
 
 
+# Context parallelism (Liu et al. 2023, ring attention; Brandon et al. 2023, the causal load balance) splits
+# each example's sequence across a group of ranks. Only attention mixes tokens, so everything else runs on
+# this rank's tokens alone; attention needs every earlier token's key and value, which travel round the ring.
+# torch's context_parallel registers its ring for the flash, efficient and cuDNN SDPA kernels only, none of
+# which runs on a CPU: on Gloo, this from-scratch ring is the only one. --ddp torch and manual differ in
+# the gradient average alone (torch's DDP or ManualDDP, over the replicas and their cp ranks).
+
+
+class ContextParallel(ModelSplit):
+    """Each example's sequence cut into 2N equal chunks over the N ranks of the cp group: rank i holds chunks
+    i and 2N-1-i (early ones cost little under a causal mask, late ones much: a pair balances the work),
+    with their global positions. Every weight is whole on every rank; each rank's targets are its own."""
+
+    KV, DKV = 1, 2  # the ring's message kinds, as tags: keys and values, and their gradients on the way home
+
+    def __init__(self, group: dist.ProcessGroup, model: nn.Module | None = None,
+                 stats: CommStats | None = None) -> None:  # fmt: skip
+        self.group, self.n, self.rank, self.stats = group, dist.get_world_size(group), dist.get_rank(group), stats
+        self.peers = [dist.get_global_rank(group, i) for i in range(self.n)]  # isend/irecv take global ranks
+        for block in model.blocks if model is not None else []:  # the model's attention made the ring's
+            block.attn.attend = functools.partial(RingAttention.apply, ring=self)
+
+    def chunks(self, rank: int) -> tuple[int, int]:
+        return rank, 2 * self.n - 1 - rank
+
+    def own_part(self, batch: tuple) -> tuple:
+        """This rank's two chunks of every row (inputs, targets), and their positions. A row cut short
+        (trim_padding, under --no-pack) is padded to a multiple of 2N: padding targets nothing."""
+        inputs, targets = batch[:2]
+        pad = -inputs.shape[1] % (2 * self.n)
+        inputs, targets = F.pad(inputs, (0, pad)), F.pad(targets, (0, pad), value=IGNORE_INDEX)
+        c = inputs.shape[1] // (2 * self.n)
+        at = torch.cat([torch.arange(i * c, (i + 1) * c) for i in self.chunks(self.rank)])
+        return inputs[:, at], targets[:, at], at.expand(len(inputs), -1)
+
+    def pairs(self, source: int, c: int) -> Iterator[tuple[slice, slice, bool]]:
+        """(query rows, key rows, causal) for each pair of this rank's chunks and `source`'s that attends at all:
+        a later chunk sees an earlier one whole (no mask), a chunk sees itself causally, never a later one."""
+        for i, mine in enumerate(self.chunks(self.rank)):
+            for j, theirs in enumerate(self.chunks(source)):
+                if mine >= theirs:
+                    yield slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c), mine == theirs
+
+    def send(self, t: torch.Tensor, tag: int) -> dist.Work:
+        if self.stats is not None:
+            self.stats.count("ring send", t.nbytes)
+        return dist.isend(t, self.peers[(self.rank + 1) % self.n], group=self.group, tag=tag)
+
+    def receive(self, like: torch.Tensor, tag: int) -> tuple[torch.Tensor, dist.Work]:
+        t = torch.empty_like(like)
+        return t, dist.irecv(t, self.peers[(self.rank - 1) % self.n], group=self.group, tag=tag)
+
+    def around(self, kv: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+        """(source rank, its keys and values) for each rank of the ring, this one first: while the caller
+        computes with one block, the next is already on its way (one process: no send to itself)."""
+        for step in range(self.n):
+            last = step == self.n - 1
+            works = [] if last else [self.send(kv, self.KV), *(incoming := self.receive(kv, self.KV))[1:]]
+            yield (self.rank - step) % self.n, kv
+            for work in works:
+                work.wait()
+            kv = kv if last else incoming[0]
+
+
+def attention_block(q: torch.Tensor, k: torch.Tensor, causal: bool, lse: torch.Tensor | None = None) -> tuple:
+    """One (query chunk, key chunk) pair's scores' exponentials, normalised by their own log-sum-exp (returned),
+    or by a given one (the whole row's, in backward)."""
+    s = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+    if causal:  # the diagonal pair: key j is visible to query i when j <= i
+        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+    lse = s.logsumexp(-1, keepdim=True) if lse is None else lse
+    return (s - lse).exp(), lse
+
+
+def kept_units(p: torch.Tensor, dropout_p: float, seed: int, block: int) -> torch.Tensor:
+    """Attention dropout on one block's probabilities: a mask drawn from its own seed, so that backward
+    draws the very same mask again instead of storing it."""
+    if not dropout_p:
+        return p
+    generator = torch.Generator(p.device).manual_seed(seed + block)
+    return p * (torch.rand(p.shape, generator=generator, device=p.device) >= dropout_p) / (1 - dropout_p)
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention over the sequence split across the cp group (ContextParallel), from scratch.
+
+    Forward: each rank's keys and values travel round the ring, one block a step, the next in flight while
+    this one computes. Each pair of chunks gives an output and the log-sum-exp of its scores; they merge as
+    online softmax does: o = o * exp(lse - new) + o_b * exp(lse_b - new), new = log(exp(lse) + exp(lse_b)).
+    Backward recomputes each block (flash attention's way: no N x N probabilities kept), from the saved
+    output and log-sum-exp; the keys' and values' gradients ride the ring with them and take one hop more,
+    home to the rank that owns them."""
+
+    @staticmethod
+    def forward(ctx: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+                ring: ContextParallel) -> torch.Tensor:  # fmt: skip
+        c, seed = q.shape[-2] // 2, int(torch.randint(2**62, ())) if dropout_p else 0
+        out, lse = torch.zeros_like(q), torch.full((*q.shape[:-1], 1), float("-inf"), dtype=q.dtype, device=q.device)
+        for source, kv in ring.around(torch.stack([k, v])):
+            for block, (rows, cols, causal) in enumerate(ring.pairs(source, c)):
+                p, lse_b = attention_block(q[..., rows, :], kv[0, ..., cols, :], causal)
+                o_b = kept_units(p, dropout_p, seed, 4 * source + block) @ kv[1, ..., cols, :]
+                o, m = out[..., rows, :], lse[..., rows, :]  # views: merged in place
+                merged = torch.logaddexp(m, lse_b)  # finite: this rank's own chunks, the diagonal, come first
+                o.mul_((m - merged).exp()).add_(o_b * (lse_b - merged).exp())
+                m.copy_(merged)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.dropout_p, ctx.seed = ring, dropout_p, seed
+        return out
+
+    @staticmethod
+    def backward(ctx: object, dout: torch.Tensor) -> tuple:
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, c, dq, sends = ctx.ring, q.shape[-2] // 2, torch.zeros_like(q), []
+        delta = (dout * out).sum(-1, keepdim=True)  # sum_j p_ij dp_ij, the softmax's backward term
+        for step, (source, kv) in enumerate(ring.around(torch.stack([k, v]))):
+            travelled = ring.receive(kv, ring.DKV) if step else None  # the gradients of kv the ranks before added
+            dkv = torch.zeros_like(kv)
+            for block, (rows, cols, causal) in enumerate(ring.pairs(source, c)):
+                kb, vb, do = kv[0, ..., cols, :], kv[1, ..., cols, :], dout[..., rows, :]
+                p, _ = attention_block(q[..., rows, :], kb, causal, lse[..., rows, :])
+                drop = functools.partial(kept_units, dropout_p=ctx.dropout_p, seed=ctx.seed, block=4 * source + block)
+                dkv[1, ..., cols, :] += drop(p).transpose(-2, -1) @ do
+                ds = p * (drop(do @ vb.transpose(-2, -1)) - delta[..., rows, :]) * q.shape[-1] ** -0.5
+                dq[..., rows, :] += ds @ kb
+                dkv[0, ..., cols, :] += ds.transpose(-2, -1) @ q[..., rows, :]
+            if travelled:
+                travelled[1].wait()
+                dkv += travelled[0]
+            if ring.n > 1:  # on to the next rank; after the last step that is home
+                sends.append(ring.send(dkv, ring.DKV))
+        if ring.n > 1:
+            dkv, work = ring.receive(dkv, ring.DKV)
+            work.wait()
+        for work in sends:
+            work.wait()
+        return dq, dkv[0], dkv[1], None, None
+
+
 def split_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats) -> ModelSplit | None:
     """Tensor parallelism applied to the model in place, before the data-parallel wrapper takes it."""
     if kit.split is not None:
         return kit.split
+    if d.cp > 1:
+        return ContextParallel(d.group("cp"), kit.model, stats)
     return TensorParallel(kit.model, d, cfg.ddp == "manual", stats) if d.tp > 1 else None
 
 
@@ -2462,7 +2631,7 @@ def wrap_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats, split: 
         return (TorchPipeline if cfg.ddp == "torch" else Pipeline)(kit, cfg, d, stats)
     if d.distributed and cfg.sharding == "full":
         return shard_fully(kit, cfg, d, stats, split)
-    if split and d.dp > 1 and cfg.ddp == "torch":
+    if split and not split.holds_all and d.dp > 1 and cfg.ddp == "torch":
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         for unit in [*kit.blocks, kit.trained]:  # inner units first, as fully_shard takes them
@@ -2780,7 +2949,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         raise UsageError(f"--d-model {cfg.d_model} is not divisible by --n-heads {cfg.n_heads}")
     if cfg.sharding == "full" and (why := cannot_shard_fully(cfg)):
         raise UsageError(why)
-    if cfg.tp * cfg.pp > 1 and (why := cannot_split(cfg)):
+    if cfg.tp * cfg.pp * cfg.cp > 1 and (why := cannot_split(cfg)):
         raise UsageError(why)
     if cfg.merge_lora is not None and (why := cannot_merge(cfg)):
         raise UsageError(why)
@@ -2790,12 +2959,13 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         raise UsageError(f"--chat {cfg.chat}: no such file or folder; name a checkpoint or a folder a run wrote")
     if cfg.chat and (cfg.nproc or int(os.environ.get("WORLD_SIZE", "1")) > 1):  # one conversation, not one per rank
         raise UsageError("--chat runs as one process: leave out --nproc and torchrun")
-    if cfg.compile and (cfg.sharding == "full" or cfg.tp * cfg.pp > 1):
-        raise UsageError("--compile runs under DDP and --sharding optimizer; not yet with --sharding full, --tp or "
-                         "--pp: leave it out")  # fmt: skip
-    if cfg.sample_every and (cfg.sharding == "full" or cfg.tp * cfg.pp > 1):
-        raise UsageError("--sample-every samples rank 0's whole model, which --sharding full, --tp and --pp split: "
-                         "leave it out (the sample at the end reads the saved model back)")  # fmt: skip
+    if cfg.compile and (cfg.sharding == "full" or cfg.tp * cfg.pp * cfg.cp > 1):
+        raise UsageError("--compile runs under DDP and --sharding optimizer; not yet with --sharding full, --tp, "
+                         "--pp or --cp: leave it out")  # fmt: skip
+    if cfg.sample_every and (cfg.sharding == "full" or cfg.tp * cfg.pp * cfg.cp > 1):
+        raise UsageError("--sample-every samples rank 0's whole model, which --sharding full, --tp and --pp split, "
+                         "and whose attention --cp spreads over its ranks: leave it out (the sample at the end reads "
+                         "the saved model back)")  # fmt: skip
     try:  # found now, not after hours of training when the sample is printed
         cfg.prompt.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -4785,7 +4955,7 @@ def check_lora_targets(model: nn.Module, targets: tuple[str, ...]) -> None:
 def describe_gradient_sync(cfg: RunConfig, d: Dist) -> str:
     if not d.distributed:
         return "none (one process: its gradient is already the whole batch's)"
-    if d.dp == 1:
+    if d.replicas == 1:
         return "none (one replica, split over every rank: no other replica to average with)"
     if cfg.sharding == "full":
         how = "torch's fully_shard (FSDP2)" if cfg.ddp == "torch" else "manual FSDP (from scratch)"
@@ -4818,7 +4988,17 @@ def cannot_shard_fully(cfg: RunConfig) -> str | None:
 
 
 def cannot_split(cfg: RunConfig) -> str | None:
-    """What --tp and --pp cannot do (yet), each named, before any rank trains."""
+    """What --tp, --pp and --cp cannot do (yet), each named, before any rank trains."""
+    if cfg.cp > 1 and (cfg.tp * cfg.pp > 1 or cfg.sharding == "full"):
+        other = "--tp" if cfg.tp > 1 else "--pp" if cfg.pp > 1 else "--sharding full"
+        return f"--cp with {other}: the two do not compose yet; use --cp with data parallelism along the rest"
+    if cfg.cp > 1 and cfg.model == "hf":
+        return "--cp runs the tiny model; not yet with --model hf"
+    if cfg.cp > 1 and cfg.seq_len % (2 * cfg.cp):
+        return (f"--seq-len {cfg.seq_len} does not cut into 2 x --cp {cfg.cp} = {2 * cfg.cp} equal chunks (each cp "
+                "rank holds two); give a multiple of it")  # fmt: skip
+    if cfg.cp > 1:
+        return None
     if cfg.tp > 1 and cfg.pp > 1:
         return "--tp with --pp: the two splits do not compose yet; use one, with data parallelism along the rest"
     if cfg.model == "hf" and cfg.pp > 1:
@@ -5015,7 +5195,7 @@ def report_inspect_step(cfg: RunConfig, d: Dist, step: int, stats: CommStats, se
     if not sent[0] and d.tp * d.pp > 1:  # one replica: no gradient to average, only the split's own traffic
         moved = "all-reduced no gradient bucket, its split's own being in the summary's 'collectives'"
     log(d, f"[inspect] step {step}: global-token mean loss {loss_total / global_tokens:.4f} over "
-           f"{int(global_tokens)} tokens; mean of per-rank means {means_total / d.dp:.4f}; this step "
+           f"{int(global_tokens)} tokens; mean of per-rank means {means_total / d.replicas:.4f}; this step "
            f"{moved} ({cfg.loss_normalization} normalization is training)")  # fmt: skip
 
 
@@ -5665,7 +5845,8 @@ def announce_run(cfg: RunConfig, d: Dist, sampler: DistributedSampler, steps_per
     """The run's shape, once, before the first step: the global batch, and how the gradients travel;
     with --inspect, each rank's shard of the data and of the training state."""
     k, batch = cfg.grad_accum_steps, global_batch(cfg, d)
-    replicas = f"{d.dp} replica(s) of {d.tp * d.pp} rank(s)" if d.tp * d.pp > 1 else f"{d.world_size} rank(s)"
+    split = d.tp * d.pp * d.cp > 1
+    replicas = f"{d.dp} replica(s) of {d.tp * d.pp * d.cp} rank(s)" if split else f"{d.world_size} rank(s)"
     log(d, f"[run] {replicas} x {cfg.batch_size} examples x {k} micro-step(s) = global batch {batch}")
     if d.tp > 1:
         log(d, f"[run] --tp {d.tp}: each replica's {d.tp} ranks hold a slice of every weight and see the same batch")
@@ -5673,16 +5854,20 @@ def announce_run(cfg: RunConfig, d: Dist, sampler: DistributedSampler, steps_per
         log(d, f"[run] --pp {d.pp}: each replica's {d.pp} ranks hold a stage of blocks each; its {k} micro-batches "
                f"a step fill the pipeline (--grad-accum-steps; one per stage when not given: fewer leave stages "
                f"idle, and torch's 1F1B refuses them)")  # fmt: skip
+    if d.cp > 1:
+        log(d, f"[run] --cp {d.cp}: each replica's {d.cp} ranks see the same batch, each two of its {2 * d.cp} chunks "
+               "of every example; keys and values travel round them (ring attention)")  # fmt: skip
     log(d, f"[run] up to {batch * cfg.seq_len:,} token positions per step (a batch is padded to its longest example)")
-    each, steps = "replica" if d.tp * d.pp > 1 else "rank", "step" if steps_per_epoch == 1 else "steps"
+    each, steps = "replica" if split else "rank", "step" if steps_per_epoch == 1 else "steps"
     log(d, f"[run] {len(sampler)} examples per {each} per epoch = {steps_per_epoch} {steps} per epoch")
     log(d, f"[run] gradient sync: {describe_gradient_sync(cfg, d)}; loss: {cfg.loss_normalization}; optimizer: "
            f"{cfg.optimizer}, lr {cfg.lr:g} (warmup {warmup_steps(cfg)}, cosine to {cfg.min_lr:g}); "
            f"precision {precision}")  # fmt: skip
     if cfg.sharding != "none" and not d.distributed:
         log(d, f"[run] --sharding {cfg.sharding}: one process holds the whole model, there is nothing to shard")
-    if cfg.tp * cfg.pp > 1 and not d.distributed:
-        log(d, f"[run] --tp {cfg.tp} --pp {cfg.pp}: one process computes the whole model, there is nothing to split")
+    if cfg.tp * cfg.pp * cfg.cp > 1 and not d.distributed:
+        log(d, f"[run] --tp {cfg.tp} --pp {cfg.pp}" + f" --cp {cfg.cp}" * (cfg.cp > 1) + ": one process computes the "
+               "whole model, there is nothing to split")  # fmt: skip
     if cfg.inspect:
         print_in_rank_order(d, describe_shards(sampler) + model.ownership(named_params, optimizer))
 
@@ -6013,7 +6198,7 @@ def loss_figure(plt: object, cfg: RunConfig, history: list[dict[str, float]]) ->
 def predict_memory(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
     """Bytes per rank by the ZeRO arithmetic (Rajbhandari et al. 2019, padding aside), for this
     run's dtypes: weights and gradients at the weights' dtype, AdamW two moments of the same."""
-    n = d.dp if d.distributed else 1  # sharding is along the replicas
+    n = d.replicas if d.distributed else 1  # sharding is along the ranks holding the same weights
     # A pipeline stage holds its own blocks (its part is cut out later); tensor parallelism has cut its slices already.
     layers = len(kit.blocks)
     params = [p for name, p in kit.trained.named_parameters() if d.pp == 1 or stage_of(name, layers, d.pp) == d.pp_rank]
@@ -6083,7 +6268,7 @@ def describe_memory(cfg: RunConfig, d: Dist, ranks: list[dict]) -> str:
     strategy = cfg.sharding if d.distributed else "none (one process)"
     lines = [
         f"[memory] per rank, MiB, measured (predicted by the ZeRO arithmetic for --sharding {strategy}, "
-        f"N={d.dp}{' replicas of the split model' if d.tp * d.pp > 1 else ''}; weights, gradients and moments in "
+        f"N={d.replicas}{' replicas of the split model' if d.tp * d.pp > 1 else ''}; weights, gradients and moments in "
         "the weights' dtype, no padding):",
         f"  rank  {'parameters':>18}  {'gradients':>18}  {'optimizer state':>18}  {'state vs predicted':>18}  "
         f"{'largest unit':>12}  {'peak ' + ('CUDA' if d.device.type == 'cuda' else 'RSS'):>10}",
@@ -6111,7 +6296,7 @@ def describe_traffic(cfg: RunConfig, d: Dist, traffic: dict[str, tuple[float, fl
               if on and cfg.ddp == "torch"]  # fmt: skip
     # Said first: after "nothing", a note reads as if torch's sharding sent nothing.
     unseen_note = f"collectives of torch's {' and '.join(unseen)}: not counted (out of this script's sight); the rest: "
-    replica, spans = d.tp * d.pp, d.world_size > d.local_world_size
+    replica, spans = d.tp * d.pp * d.cp, d.world_size > d.local_world_size
     crossing = ("every collective (a replica's ranks span nodes)" if d.local_world_size % replica else
                 f"the data-parallel ones alone (each replica's {replica} ranks share a node)" if replica > 1 else
                 "every collective (each rank is a replica of its own)")  # fmt: skip
@@ -6402,9 +6587,9 @@ MAY_CHANGE_ON_RESUME = ("max_steps",)
 # How the global batch is split may change on resume, the global batch itself may not. Rank r
 # of W takes every W-th example, so every split of the same global batch trains each step on
 # the same examples (tests/test_gradients.py): 2 ranks x 4 continue as 1 rank x 8, as a
-# checkpoint from any --sharding, --tp or --pp continues under any other (replicas, not ranks,
+# checkpoint from any --sharding, --tp, --pp or --cp continues under any other (replicas, not ranks,
 # split the data: the ranks of a split model share one replica's batch).
-BATCH_SPLIT = ("world_size", "tp", "pp", "batch_size", "grad_accum_steps")
+BATCH_SPLIT = ("world_size", "tp", "pp", "cp", "batch_size", "grad_accum_steps")
 
 
 def may_change(key: str, saved: dict, settings: dict) -> bool:
@@ -6418,11 +6603,12 @@ def may_change(key: str, saved: dict, settings: dict) -> bool:
 
 
 def global_batch_of(settings: dict) -> int | None:
-    """Replicas x batch x micro-steps: the ranks of a split model (--tp x --pp) share one replica's batch."""
-    split = {"tp": 1, "pp": 1} | settings  # written before model splitting: one rank a replica
+    """Replicas x batch x micro-steps: the ranks of a split model (--tp x --pp x --cp) share one replica's batch."""
+    split = {"tp": 1, "pp": 1, "cp": 1} | settings  # written before model splitting: one rank a replica
     if not all(k in split for k in BATCH_SPLIT):
         return None
-    return split["world_size"] // (split["tp"] * split["pp"]) * split["batch_size"] * split["grad_accum_steps"]
+    ranks = split["tp"] * split["pp"] * split["cp"]
+    return split["world_size"] // ranks * split["batch_size"] * split["grad_accum_steps"]
 
 
 def run_settings(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
@@ -6446,6 +6632,8 @@ def run_settings(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
     }
     if d.device.type == "cuda":
         settings["tf32"] = cfg.tf32
+    if cfg.cp > 1:  # recorded where it splits: a checkpoint of a run before --cp resumes as it always did
+        settings["cp"] = cfg.cp
     if cfg.model == "hf":  # as loaded: the targets a list, auto resolved
         settings |= {"lora_targets": list(cfg.lora_targets),
                      "dtype": str(choose_weights_dtype(cfg, d)).removeprefix("torch.")}  # fmt: skip
@@ -6734,13 +6922,12 @@ def resume_training(
     load_state(model, named_params, state["trainable"], optimizer, state["optimizer"])
     if scaler and state["scaler"]:
         scaler.load_state_dict(state["scaler"])
-    saved = {k: state["settings"].get(k, 1) for k in ("tp", "pp")} | {"world_size": len(state["rng"])}
-    if saved == {"tp": d.tp, "pp": d.pp, "world_size": d.world_size}:
+    saved = {k: state["settings"].get(k, 1) for k in ("tp", "pp", "cp")} | {"world_size": len(state["rng"])}
+    if saved == {"tp": d.tp, "pp": d.pp, "cp": d.cp, "world_size": d.world_size}:
         restore_rng(state["rng"][d.rank], d)
     else:  # the examples per step are the same; rank r's saved stream may belong to another role (run seeds)
-        was, now = (
-            f"dp {w // (tp * pp)} x tp {tp} x pp {pp}" for tp, pp, w in (saved.values(), (d.tp, d.pp, d.world_size))
-        )
+        was, now = (f"dp {w // (tp * pp * cp)} x tp {tp} x pp {pp}" + f" x cp {cp}" * (cp > 1)
+                    for tp, pp, cp, w in (saved.values(), (d.tp, d.pp, d.cp, d.world_size)))  # fmt: skip
         log(d, f"[resume] saved by {saved['world_size']} rank(s), resumed by {d.world_size} ({was} -> {now}): every "
                "random stream (dropout) starts afresh, seeded as a fresh run of this layout seeds it")  # fmt: skip
     return Progress(**state["progress"])
@@ -6846,9 +7033,9 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
         kit.model.eval()
         # The unwrapped model: a forward through the DDP wrapper may talk to the other ranks,
         # which have moved on. Sampling is local to rank 0.
-        if whole is None:
+        if whole is None and d.cp == 1:
             say(f"[sample] {kit.sample(kit.model, cfg.prompt)}")
-        else:  # the sharded model's forward would wait for the other ranks' shards
+        else:  # the sharded model's forward would wait for the other ranks' shards (--cp: for the ring)
             say(sample_saved_model(kit, cfg, outputs[0]))
         if cfg.metrics_file:
             outputs.append(cfg.metrics_file)
