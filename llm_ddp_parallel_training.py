@@ -15,7 +15,7 @@ the banner, sections 9-18 make it production-grade, reaching the loop only throu
     6. Train                one loop for every model: forward, backward, sync, clip, step
     7. Sharding             ZeRO-1 and FSDP from scratch, beside torch's ZeroRedundancyOptimizer
                             and fully_shard
-    8. Model splitting      tensor and pipeline parallelism from scratch, beside torch's
+    8. Model splitting      tensor, pipeline and context parallelism from scratch, beside torch's
     -------------------     a reader who came for DDP may stop here
     9. Command line         argparse fills the RunConfig, and refuses what cannot run
    10. Launcher             ranks started without torchrun (--nproc), and meetings with no deadline
@@ -2003,7 +2003,7 @@ def shard_fully(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats, split:
 
 
 # ----------------------------------------------------------------------------------------------
-# 8. Model splitting: tensor and pipeline parallelism from scratch, beside torch's
+# 8. Model splitting: tensor, pipeline and context parallelism from scratch, beside torch's
 # ----------------------------------------------------------------------------------------------
 
 
