@@ -2020,6 +2020,13 @@ class ModelSplit:
     The wrappers (ManualDDP, TorchDDP, the FSDPs) ask their split what to gather, cut, count and add up."""
 
     loss_share = 1.0  # how much of this rank's loss counts in the global sum
+
+    @property
+    def example_share(self) -> float:
+        """How much of this rank's examples counts (their bytes, for bits per byte): its loss's share, except where
+        ranks compute parts of the same examples (ContextParallel)."""
+        return self.loss_share
+
     holds_all = True  # every rank holds every weight of the model
 
     def sliced(self, name: str) -> bool:
@@ -2497,6 +2504,10 @@ class ContextParallel(ModelSplit):
         self.peers = [dist.get_global_rank(group, i) for i in range(self.n)]  # isend/irecv take global ranks
         for block in model.blocks if model is not None else []:  # the model's attention made the ring's
             block.attn.attend = functools.partial(RingAttention.apply, ring=self)
+
+    @property
+    def example_share(self) -> float:
+        return float(self.rank == 0)  # every rank of the ring computes a part of the same examples: one counts them
 
     def chunks(self, rank: int) -> tuple[int, int]:
         return rank, 2 * self.n - 1 - rank
@@ -5896,7 +5907,7 @@ def evaluate(cfg: RunConfig, d: Dist, kit: ModelKit, model: Layout, precision: s
     if model.gathers_in_forward:  # rank 0 holds the most batches; the others join its gathers
         batches += [[val[0]]] * (math.ceil(math.ceil(len(read) / d.dp) / cfg.batch_size) - len(batches))
     for i, batch in enumerate(batches):
-        inputs, targets, *positions = (t.to(d.device) for t in trim_padding(batch))
+        inputs, targets, *positions = (t.to(d.device) for t in model.split.own_part(trim_padding(batch)))
         with autocast_for(precision, d.device):
             loss = model.eval_loss(kit, (inputs, targets, *positions)).item()
         if i * cfg.batch_size < len(mine):  # a batch of this rank's own, not one that only joins in
@@ -5906,7 +5917,7 @@ def evaluate(cfg: RunConfig, d: Dist, kit: ModelKit, model: Layout, precision: s
     model.after_evaluation()
     raw.train()
     share = model.split.loss_share  # one rank of each replica counts its examples
-    loss_sum, tokens, nbytes = all_reduce_sum(d, [loss_sum * share, tokens * share, nbytes * share])
+    loss_sum, tokens, nbytes = all_reduce_sum(d, [loss_sum * share, tokens * share, nbytes * model.split.example_share])
     loss = loss_sum / tokens
     # Perplexity is per token, so it depends on the tokenizer; bits per byte does not, and
     # compares the byte-level model with Qwen on the same text.
