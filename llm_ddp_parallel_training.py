@@ -5605,9 +5605,16 @@ class SideWork(Hooks):
         self.phase_seconds, self.last = dict.fromkeys(self.PHASES, 0.0), 0.0
         self.fault: str | None = None
         self.stopped_by: str | None = None  # the signal's name, when a stop request ended the run early
+        self.activations: list[int] | None = None  # bytes the first micro-batch's forward kept for backward
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        return autocast_for(self.precision, self.d.device)
+        """The forward's precision; the run's first micro-batch also counts what it saves for backward."""
+        if self.activations is not None or self.cfg.compile:  # (compiled blocks save inside their own graphs)
+            return autocast_for(self.precision, self.d.device)
+        stack = contextlib.ExitStack()
+        stack.enter_context(autocast_for(self.precision, self.d.device))
+        self.activations = stack.enter_context(saved_for_backward())
+        return stack
 
     def before_wrap(self, kit: ModelKit, stats: CommStats) -> None:
         cfg, d, self.stats = self.cfg, self.d, stats
@@ -5724,7 +5731,7 @@ class SideWork(Hooks):
             self.saver.save(model, named_params, optimizer, self.scaler, progress)
         self.reporter.close()
         self.trace = collect_trace(self.d, self.timeline, self.offsets) if self.timeline else []
-        self.memory = measure_memory(self.d, self.kit, model, optimizer, self.predicted)
+        self.memory = measure_memory(self.d, self.kit, model, optimizer, self.predicted, self.activations)
         self.traffic = self.stats.per_step()  # this rank's collectives by kind: (calls, bytes) per step
 
 
@@ -6231,9 +6238,26 @@ def predict_memory(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
     }
 
 
-def measure_memory(
-    d: Dist, kit: ModelKit, model: Layout, optimizer: torch.optim.Optimizer, predicted: dict
-) -> list[dict]:
+@contextlib.contextmanager
+def saved_for_backward() -> Iterator[list[int]]:
+    """The bytes autograd keeps for backward in the block, the activations: each storage once, the weights not
+    (they stay with or without a backward to come). Under --cp a rank keeps its own tokens' share."""
+    seen, total = set(), [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = local_part(t).untyped_storage()
+        weight = isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)  # a weight, or a view of one
+        if not weight and (key := (storage.data_ptr(), str(t.device))) not in seen:
+            seen.add(key)
+            total[0] += storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield total
+
+
+def measure_memory(d: Dist, kit: ModelKit, model: Layout, optimizer: torch.optim.Optimizer, predicted: dict,
+                   activations: list[int] | None = None) -> list[dict]:  # fmt: skip
     """Every rank's parameters, gradients (with ManualDDP's buckets) and optimizer state in bytes, and its
     peaks. A collective."""
     counted: set[tuple[int, str]] = set()
@@ -6262,6 +6286,7 @@ def measure_memory(
         "parameters": storage_bytes(iter(params)),
         "gradients": storage_bytes([*(p.grad for p in params if p.grad is not None), *model.gradient_buffers()]),
         "optimizer_state": storage_bytes(t for s in state for t in s.values() if torch.is_tensor(t)),
+        "activations": activations[0] if activations else None,  # one micro-batch's (saved_for_backward)
         "peak": rss if cuda is None else cuda,  # the peak CUDA allocation on a GPU, else the peak resident set
         "peak_rss": rss,
         "holds": model.split.holdings(),
@@ -6282,14 +6307,15 @@ def describe_memory(cfg: RunConfig, d: Dist, ranks: list[dict]) -> str:
         f"N={d.replicas}{' replicas of the split model' if d.tp * d.pp > 1 else ''}; weights, gradients and moments in "
         "the weights' dtype, no padding):",
         f"  rank  {'parameters':>18}  {'gradients':>18}  {'optimizer state':>18}  {'state vs predicted':>18}  "
-        f"{'largest unit':>12}  {'peak ' + ('CUDA' if d.device.type == 'cuda' else 'RSS'):>10}",
+        f"{'largest unit':>12}  {'activations':>11}  {'peak ' + ('CUDA' if d.device.type == 'cuda' else 'RSS'):>10}",
     ]
     for r in ranks:
         measured, predicted = sum(r[k] for k in keys), sum(r["predicted"][k] for k in keys)
         cells = [f"{mib(r[k])} ({mib(r['predicted'][k])})" for k in keys]
         off = f"{100 * (measured - predicted) / predicted:+.1f}%" if predicted else "-"
         lines.append(f"  {r['rank']:>4}  {cells[0]:>18}  {cells[1]:>18}  {cells[2]:>18}  {off:>18}  "
-                     f"{mib(r['largest_unit']) if r['largest_unit'] else '-':>12}  {mib(r['peak']):>10}")  # fmt: skip
+                     f"{mib(r['largest_unit']) if r['largest_unit'] else '-':>12}  "
+                     f"{mib(r['activations']) if r['activations'] else '-':>11}  {mib(r['peak']):>10}")  # fmt: skip
     if d.tp * d.pp > 1:  # model splitting: what each rank holds of its replica's model
         lines += [f"  rank {r['rank']} holds {r['holds']}" for r in ranks]
     return "\n".join(lines)

@@ -169,6 +169,16 @@ def test_with_dropout_and_verify_sync_a_cp_run_passes(two_ranks):
     assert re.search(r"rank 1: step 1: local loss [0-9.]+ over \d+ tokens", run.stdout)
 
 
+def test_each_cp_rank_keeps_half_the_activations_of_one_process(two_ranks, one_process, root):
+    # The same micro-batches; a rank of the ring computes half of every example's tokens, and keeps for backward
+    # its own queries, keys, values, output and log-sum-exp (never a whole row of scores): half of one process's.
+    plain, split = (json.loads((finished(runs, name, root) / "memory.json").read_text())
+                    for runs, name in ((one_process, "plain"), (two_ranks, "cp torch")))  # fmt: skip
+    ratios = [rank["activations"] / plain[0]["activations"] for rank in split]
+    print(f"--cp 2: each rank's activations over one process's: {ratios}")
+    assert all(abs(ratio - 0.5) < 1e-3 for ratio in ratios), ratios  # 0.500003: its positions are all it adds
+
+
 def test_a_cp_runs_model_is_todays_format_and_its_checkpoint_resumes_as_one_process(one_process, root):
     model = t.load_tiny_checkpoint(root / "cp torch" / t.TINY_FINAL)  # the whole model, as a plain run writes it
     assert sorted(model.state_dict()) == sorted(weights(root / "plain"))
