@@ -411,11 +411,14 @@ class Dist:
         its context-parallel ranks (the same example, other tokens)."""
         return self.dp * self.cp
 
+    @property
+    def replica_dim(self) -> str:
+        """The mesh's dimension of the ranks that average their gradients (replicas): "dp", with --cp "dp_cp"."""
+        return "dp_cp" if self.cp > 1 else "dp"
+
     def group(self, dim: str) -> dist.ProcessGroup | None:
-        """The ranks that share this rank's place along one dimension of the grid ("dp", "pp", "tp", "cp"), or
-        "dp_cp": the ranks that average their gradients (replicas)."""
-        if dim == "dp_cp" and self.cp == 1:
-            dim = "dp"
+        """The ranks that share this rank's place along one dimension of the grid ("dp", "pp", "tp", "cp", or
+        replica_dim)."""
         return self.mesh.get_group(dim) if self.mesh is not None else None
 
 
@@ -923,7 +926,7 @@ def wrap_data_parallel(model: nn.Module, cfg: RunConfig, d: Dist, stats: CommSta
     # rest of backward still runs, so every rank ends the step with the same gradient.
     ddp = TorchDDP(
         model,
-        process_group=d.group("dp_cp"),  # under model splitting: the replicas of this rank's slice
+        process_group=d.group(d.replica_dim),  # under model splitting: the replicas of this rank's slice
         device_ids=[d.device.index] if d.device.type == "cuda" else None,
         bucket_cap_mb=cfg.bucket_mb,
         find_unused_parameters=True,  # one bucket layout for the whole run, ManualDDP's: see TorchDDP
@@ -1132,7 +1135,7 @@ class ManualDDP(Wrapper):
     def __init__(self, module: nn.Module, d: Dist, bucket_mb: float, stats: CommStats,
                  split: ModelSplit | None = None) -> None:  # fmt: skip
         super().__init__(module, split)
-        self.world_size, self.stats, self.group = d.replicas, stats, d.group("dp_cp")
+        self.world_size, self.stats, self.group = d.replicas, stats, d.group(d.replica_dim)
         start_equal(module, self.group)
         self.buckets: list[Bucket] = []
         self.place: dict[nn.Parameter, tuple[Bucket, int]] = {}
@@ -1687,8 +1690,8 @@ class ManualFSDP(Wrapper):
     gathers_in_forward, all_reduces_buckets, rank0_holds_all = True, False, False
 
     def __init__(self, module: nn.Module, d: Dist, units: list[nn.Module], param_dtype: torch.dtype | None = None,
-                 stats: CommStats | None = None) -> None:  # fmt: skip
-        super().__init__(module)
+                 stats: CommStats | None = None, split: ModelSplit | None = None) -> None:  # fmt: skip
+        super().__init__(module, split)  # split: a ContextParallel's, whose ranks each compute their own tokens
         self.world, self.rank, self.param_dtype = d.world_size, d.rank, param_dtype
         start_equal(module)
         owner = innermost_units(module, units)
@@ -1987,13 +1990,13 @@ def shard_fully(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats, split:
     under tensor parallelism (torch's 2-D recipe) the slices are sharded along the replicas."""
     units = [*kit.blocks, kit.trained]
     if cfg.ddp == "manual":
-        return ManualFSDP(kit.trained, d, units, stats=stats)
+        return ManualFSDP(kit.trained, d, units, stats=stats, split=split)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     # A device mesh says which ranks share the shards: here all of them, on this device type
     # (given explicitly: on a CPU, fully_shard would otherwise look for a GPU).
-    mesh = d.mesh["dp"] if d.mesh is not None else init_device_mesh(d.device.type, (d.world_size,))
+    mesh = d.mesh[d.replica_dim] if d.mesh is not None else init_device_mesh(d.device.type, (d.world_size,))
     for unit in units:  # inner units first: each takes its own parameters, the root what is left
         fully_shard(unit, mesh=mesh)
     # FSDP2 warns that a unit returned a view, which an in-place op could detach from its
@@ -5000,8 +5003,8 @@ def cannot_shard_fully(cfg: RunConfig) -> str | None:
 
 def cannot_split(cfg: RunConfig) -> str | None:
     """What --tp, --pp and --cp cannot do (yet), each named, before any rank trains."""
-    if cfg.cp > 1 and (cfg.tp * cfg.pp > 1 or cfg.sharding == "full"):
-        other = "--tp" if cfg.tp > 1 else "--pp" if cfg.pp > 1 else "--sharding full"
+    if cfg.cp > 1 and cfg.tp * cfg.pp > 1:
+        other = "--tp" if cfg.tp > 1 else "--pp"
         return f"--cp with {other}: the two do not compose yet; use --cp with data parallelism along the rest"
     if cfg.cp > 1 and cfg.model == "hf":
         return "--cp runs the tiny model; not yet with --model hf"

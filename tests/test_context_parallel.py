@@ -3,7 +3,8 @@
 Each example's sequence is cut into 2N chunks over N ranks (rank i holds chunks i and 2N-1-i); keys and
 values travel round the ring, blocks merge by their log-sum-exp. Judged as the other splits are
 (tests/test_parallelism.py), on the tiny model, fp32, SGD, dropout 0, 12 steps:
-  - --cp 2 on 2 ranks lands within 1e-6 of one process, and dp 2 x cp 2 on 4 ranks within 1e-6 of 2-rank DDP,
+  - --cp 2 on 2 ranks lands within 1e-6 of one process, and dp 2 x cp 2 on 4 ranks (DDP, ZeRO-1 and FSDP,
+    torch's and from scratch) within 1e-6 of 2-rank DDP,
     both on the same global batch; the held-out loss, evaluated under CP, is one process's;
   - --ddp manual (ManualDDP) lands bitwise on --ddp torch (torch's DDP): the two differ in the gradient
     average alone. torch's own context_parallel registers ring attention for the flash, efficient and cuDNN
@@ -69,6 +70,8 @@ def four_ranks(root) -> dict[str, Run]:
         "dp x cp torch": [*SGD, "--cp", "2"],
         "dp x cp manual": [*SGD, "--cp", "2", "--ddp", "manual"],
         "dp x cp zero-1": [*SGD, "--cp", "2", "--ddp", "manual", "--sharding", "optimizer"],
+        "dp x cp fsdp": [*SGD, "--cp", "2", "--sharding", "full"],  # torch's fully_shard over the dp x cp ranks
+        "dp x cp manual fsdp": [*SGD, "--cp", "2", "--sharding", "full", "--ddp", "manual"],
         "ring": ["probe:ring float64"],
     }), 4, timeout=400)  # fmt: skip
 
@@ -106,7 +109,7 @@ def test_cp_over_two_ranks_trains_the_weights_and_losses_of_one_process(two_rank
     assert max(map(abs, np.subtract(held_out(split), held_out(plain)))) < EXACT  # under CP: each rank its tokens
 
 
-@pytest.mark.parametrize("which", ["torch", "manual", "zero-1"])
+@pytest.mark.parametrize("which", ["torch", "manual", "zero-1", "fsdp", "manual fsdp"])
 def test_dp_x_cp_over_four_ranks_trains_the_weights_of_two_rank_ddp(four_ranks, two_ranks, root, which):
     split, ddp = finished(four_ranks, f"dp x cp {which}", root), finished(two_ranks, "ddp", root)
     diff = max_difference(weights(ddp), weights(split))
@@ -201,7 +204,6 @@ REFUSED = {
     "seq-len not in 2N chunks": (["--cp", "3", "--seq-len", "64"], "--seq-len 64 does not cut into 2 x --cp 3 = 6"),
     "cp with tp": (["--cp", "2", "--tp", "2"], "--cp with --tp: the two do not compose yet"),
     "cp with pp": (["--cp", "2", "--pp", "2", "--n-layers", "2"], "--cp with --pp: the two do not compose yet"),
-    "cp with fsdp": (["--cp", "2", "--sharding", "full"], "--cp with --sharding full: the two do not compose yet"),
     "cp with hf": (["--cp", "2", "--model", "hf"], "--cp runs the tiny model; not yet with --model hf"),
     "cp with sample-every": (["--cp", "2", "--sample-every", "5"], "--sample-every samples rank 0's whole model"),
     "cp with compile": (["--cp", "2", "--compile"], "not yet with --sharding full, --tp, --pp or --cp"),
