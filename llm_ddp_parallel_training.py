@@ -1262,6 +1262,15 @@ class CommStats:
             return future
         return self.timeline.collective(name, future, args)
 
+    def mark(self) -> object:
+        """Now on the timeline's clock while it traces, else None: where a span of sends or receives starts."""
+        return self.timeline.now() if self.timeline is not None and self.timeline.on else None
+
+    def span(self, name: str, start: object, args: dict) -> None:
+        """A span from `start` (mark) to now: for point-to-point work, which has no future to wait on."""
+        if start is not None and self.timeline.on:
+            self.timeline.pending.append((name, start, self.timeline.now(), args))
+
     def per_step(self) -> dict[str, tuple[float, float]]:
         """Each kind of collective this rank started: (calls, bytes) per optimizer step."""
         return {kind: (calls / self.steps, nbytes / self.steps) for kind, (calls, nbytes) in self.moved.items()}
@@ -2361,7 +2370,7 @@ class Pipeline(PipelineState, Wrapper):
         """t to the stage `to` steps away (+1: the next, -1: the one before), counted; traced once seen done."""
         self.stats.count("pipeline send", t.nbytes)
         work = dist.isend(t.detach(), self.ranks[self.d.pp_rank + to], group=self.group)
-        self.in_flight.append((work, self.mark(), {"to stage": self.d.pp_rank + to, "bytes": t.nbytes}))
+        self.in_flight.append((work, self.stats.mark(), {"to stage": self.d.pp_rank + to, "bytes": t.nbytes}))
 
     def settle(self, wait: bool = False) -> None:
         """The sends seen done (all, with wait) leave the flight list, each a span on the timeline."""
@@ -2371,24 +2380,16 @@ class Pipeline(PipelineState, Wrapper):
                 work.wait()
             if wait or work.is_completed():
                 self.in_flight.remove(flight)
-                self.span("send", start, args)
+                self.stats.span("send", start, args)
 
     def receive(self, shape: tuple, frm: int, micro: MicroStep) -> torch.Tensor:
         """A tensor from the stage `frm` steps away; the wait for it, this stage idle, is its bubble."""
         self.settle()
-        t, start = torch.empty(shape, device=self.d.device), self.mark()
+        t, start = torch.empty(shape, device=self.d.device), self.stats.mark()
         dist.irecv(t, self.ranks[self.d.pp_rank + frm], group=self.group).wait()
-        self.span("recv", start, {"from stage": self.d.pp_rank + frm, "bytes": t.nbytes})
+        self.stats.span("recv", start, {"from stage": self.d.pp_rank + frm, "bytes": t.nbytes})
         micro.hooks.mark("bubble")  # this stage idle, waiting for its neighbour
         return t
-
-    def mark(self) -> object:
-        timeline = self.stats.timeline
-        return timeline.now() if timeline is not None and timeline.on else None
-
-    def span(self, name: str, start: object, args: dict) -> None:
-        if start is not None and self.stats.timeline.on:
-            self.stats.timeline.pending.append((name, start, self.stats.timeline.now(), args))
 
     def schedule_step(self, batches: list[tuple], scales: list[float], micro: MicroStep) -> list[torch.Tensor]:
         """GPipe or 1F1B from scratch: a stage receives its input from the one before (the first reads
@@ -2505,6 +2506,7 @@ class ContextParallel(ModelSplit):
                  stats: CommStats | None = None) -> None:  # fmt: skip
         self.group, self.n, self.rank, self.stats = group, dist.get_world_size(group), dist.get_rank(group), stats
         self.peers = [dist.get_global_rank(group, i) for i in range(self.n)]  # isend/irecv take global ranks
+        self.seq_len = model.config.seq_len if model is not None else None  # (--inspect's positions)
         for block in model.blocks if model is not None else []:  # the model's attention made the ring's
             block.attn.attend = functools.partial(RingAttention.apply, ring=self)
 
@@ -2514,6 +2516,11 @@ class ContextParallel(ModelSplit):
 
     def chunks(self, rank: int) -> tuple[int, int]:
         return rank, 2 * self.n - 1 - rank
+
+    def ownership(self, named_params: list) -> list[str]:
+        (i, j), c = self.chunks(self.rank), self.seq_len // (2 * self.n)
+        return [f"positions {i * c}-{(i + 1) * c - 1} and {j * c}-{(j + 1) * c - 1} of every example (chunks {i} and "
+                f"{j} of {2 * self.n}), every weight whole"]  # fmt: skip
 
     def own_part(self, batch: tuple) -> tuple:
         """This rank's two chunks of every row (inputs, targets), and their positions. A row cut short
@@ -2546,11 +2553,13 @@ class ContextParallel(ModelSplit):
         """(source rank, its keys and values) for each rank of the ring, this one first: while the caller
         computes with one block, the next is already on its way (one process: no send to itself)."""
         for step in range(self.n):
-            last = step == self.n - 1
+            last, start = step == self.n - 1, self.stats.mark() if self.stats is not None else None
             works = [] if last else [self.send(kv, self.KV), *(incoming := self.receive(kv, self.KV))[1:]]
             yield (self.rank - step) % self.n, kv
             for work in works:
                 work.wait()
+            if works and start is not None:  # on the timeline: the pass, until seen arrived, beside the block
+                self.stats.span("send", start, {"ring pass": step + 1, "keys and values": tuple(kv.shape)})
             kv = kv if last else incoming[0]
 
 
@@ -5890,7 +5899,10 @@ def announce_run(cfg: RunConfig, d: Dist, sampler: DistributedSampler, steps_per
         log(d, f"[run] --tp {cfg.tp} --pp {cfg.pp}" + f" --cp {cfg.cp}" * (cfg.cp > 1) + ": one process computes the "
                "whole model, there is nothing to split")  # fmt: skip
     if cfg.inspect:
-        print_in_rank_order(d, describe_shards(sampler) + model.ownership(named_params, optimizer))
+        place = (
+            f"dp {d.dp_rank} of {d.dp}, pp {d.pp_rank} of {d.pp}, tp {d.tp_rank} of {d.tp}, cp {d.cp_rank} of {d.cp}"
+        )
+        print_in_rank_order(d, [place, *describe_shards(sampler), *model.ownership(named_params, optimizer)])
 
 
 def sent_in_buckets(model: Layout, calls: int, nbytes: int) -> dict[str, int]:

@@ -58,7 +58,7 @@ def two_ranks(root) -> dict[str, Run]:
         "ddp": SGD,  # 2 replicas, global batch 8: the yardstick of dp 2 x cp 2
         "ddp resumed by cp": [*SGD, "--cp", "2", "--batch-size", "4", "--resume", str(ddp_checkpoint)],
         "dropout": [*SGD, "--cp", "2", "--dropout", "0.2", "--verify-sync", "1", "--max-steps", "4", "--no-pack",
-                    "--inspect"],
+                    "--inspect", "--trace-steps", "1"],
         "cp 3 on 2 ranks": [*TINY, "--cp", "3", "--seq-len", "60"],
         "ring": ["probe:ring float64"],
     }), 2, timeout=400)  # fmt: skip
@@ -170,6 +170,26 @@ def test_with_dropout_and_verify_sync_a_cp_run_passes(two_ranks):
     assert run.codes == (0, 0) and "diverged" not in run.output
     # --no-pack cuts each batch after its last target: under --cp padded to a multiple of 4 again
     assert re.search(r"rank 1: step 1: local loss [0-9.]+ over \d+ tokens", run.stdout)
+
+
+def test_inspect_says_each_ranks_place_in_the_mesh_and_the_positions_it_holds(two_ranks):
+    out = two_ranks["dropout"].stdout  # --inspect, --seq-len 64: four chunks of 16
+    for rank, held in ((0, "positions 0-15 and 48-63 of every example (chunks 0 and 3 of 4)"),
+                       (1, "positions 16-31 and 32-47 of every example (chunks 1 and 2 of 4)")):  # fmt: skip
+        assert f"[inspect] rank {rank}: dp 0 of 1, pp 0 of 1, tp 0 of 1, cp {rank} of 2\n" in out
+        assert f"[inspect] rank {rank}: {held}, every weight whole" in out
+
+
+def test_the_timeline_draws_each_ring_pass_beside_the_blocks_it_overlaps(two_ranks, root):
+    assert_ok(two_ranks["dropout"])
+    events = json.loads((root / "dropout" / "trace.json").read_text())["traceEvents"]
+    for rank in (0, 1):
+        mine = [e for e in events if e.get("pid") == rank and e.get("ph") == "X"]
+        passes = [e for e in mine if "ring pass" in e.get("args", {})]
+        computing = [e for e in mine if e["name"] in ("forward", "backward")]
+        assert len(passes) == 8, passes  # 2 micro-batches x 2 blocks x (a pass in forward, one in backward)
+        for e in passes:  # each pass starts inside the forward or the backward that computes beside it
+            assert any(c["ts"] <= e["ts"] <= c["ts"] + c["dur"] for c in computing), (e, computing)
 
 
 def test_each_cp_rank_keeps_half_the_activations_of_one_process(two_ranks, one_process, root):
