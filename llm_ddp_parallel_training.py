@@ -2905,9 +2905,12 @@ def config_words(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
             meant = f"; did you mean {close[0]}?" if close else ""
             raise UsageError(f"--config {path}: unknown setting {key}{meant}")
         flag = action.option_strings[0]
+        switch = action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction)
+        if switch and value is not None and not isinstance(value, bool):  # "no" would read as on
+            raise UsageError(f"--config {path}: {key} is on or off: true or false, not {value!r}")
         if isinstance(action, argparse.BooleanOptionalAction):
             words += [flag if value else "--no-" + flag[2:]] if value is not None else []
-        elif action.nargs == 0:
+        elif action.nargs == 0 or (action.nargs == "?" and isinstance(value, bool)):  # merge_lora: true
             words += [flag] if value else []
         elif value is not None:
             words += [flag, ",".join(map(str, value)) if isinstance(value, list) else str(value)]
@@ -2925,17 +2928,34 @@ def write_settings(cfg: RunConfig) -> Path | None:
     return path
 
 
+def derived_settings(cfg: RunConfig) -> set[str]:
+    """The settings that hold what settle_defaults derives from the others (--min-lr from --lr, --lr from --model
+    and --finetune, ...): left out of config.yaml, they are derived anew when the command line changes those."""
+    derived = set()
+    for name in ("lr", "min_lr", "pack", "temperature", "grad_accum_steps"):
+        args = argparse.Namespace(**{f.name: getattr(cfg, f.name) for f in fields(cfg)} | {name: None})
+        settle_defaults(args, set())
+        derived |= {name} if getattr(args, name) == getattr(cfg, name) else set()
+    return derived
+
+
 def resolved_settings(cfg: RunConfig) -> dict:
-    """Every setting as this run resolved it, spelt as its flag takes it, the other model's left out."""
+    """Every setting as this run resolved it, spelt as its flag takes it (paths absolute: the file repeats the run
+    from any folder), the other model's and the derived ones left out."""
     title = TINY_GROUP if cfg.model == "hf" else PRETRAINED_GROUP
     other = {a.dest for g in build_arg_parser()._action_groups if g.title == title for a in g._group_actions}
     settings = {}
-    skip = other | {"nproc"} | ({"max_steps"} if cfg.max_steps == 0 else set())  # the launch is the command's
+    skip = other | derived_settings(cfg) | {"nproc"} | ({"max_steps"} if cfg.max_steps == 0 else set())
+    skip |= {"val_fraction"} if cfg.eval_file else set()  # (--eval-file: nothing held out, and the two are refused)
     for name, value in ((f.name, getattr(cfg, f.name)) for f in fields(cfg) if f.name not in skip):
         if isinstance(value, FaultPlan):
             value = f"{value.rank}:{value.step}:{value.kind}"
+        if name == "model_name_or_path" and Path(value).expanduser().exists():  # a local folder, not a hub name
+            value = Path(value).expanduser()
+        if name == "merge_lora" and value == "":  # --merge-lora with no folder: merge after training
+            value = True
         if value is not None or name == "cache_dir":  # no cache: "none", as the flag spells it
-            settings[name] = "none" if value is None else str(value) if isinstance(value, Path) else (
+            settings[name] = "none" if value is None else str(value.resolve()) if isinstance(value, Path) else (
                 ",".join(value) if isinstance(value, tuple) else value)  # fmt: skip
     return settings
 
@@ -2958,7 +2978,13 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
             f"{' and '.join([', '.join(given[:-1]), given[-1]] if len(given) > 1 else given)} {is_} for "
             f"{meant_for}; {ignored_by} would ignore {it}: {fix}leave {it} out"
         )
-    settle_defaults(args, {word.split("=", 1)[0] for word in argv})
+    typed = {word.split("=", 1)[0] for word in argv}
+    if args.eval_file and "--val-fraction" in typed:
+        raise UsageError("--eval-file holds the held-out data, and nothing is held out of the training data: leave "
+                         "out --val-fraction")  # fmt: skip
+    if args.chat and args.merge_lora is not None:
+        raise UsageError("--chat trains and merges nothing: merge first, then --chat OUTPUT_DIR/merged")
+    settle_defaults(args, typed)
     if args.cache_dir is None:
         args.cache_dir = default_cache_dir()
     else:
@@ -3426,15 +3452,6 @@ def text_lines(path: Path) -> Iterator[str]:
     for _, block in file_blocks(path):  # stripped, blank ones dropped
         kept, _ = clean_lines(block)
         yield from kept.tobytes().decode("utf-8").split("\n")[:-1]
-
-
-def read_corpus_lines(path: Path) -> list[str]:
-    """One training sample per line, stripped, blank ones dropped: a look at a small file (training
-    streams the file into the token cache)."""
-    lines = list(text_lines(path))
-    if not lines:
-        raise UsageError(f"corpus file has no non-blank lines: {path}")
-    return lines
 
 
 def read_records(path: Path, data_format: str, limit: int | None = None) -> tuple[list[Record], str]:
@@ -3936,11 +3953,6 @@ def count_target_bytes(seq: TokenSequence, tokenizer: PreTrainedTokenizerBase) -
     targets = [t for t, target in zip(seq.ids[1:], seq.is_target[1:], strict=True) if target]
     text = tokenizer.decode([t for t in targets if t not in special])
     return len(text.encode("utf-8")) + sum(t in special for t in targets)
-
-
-def encode_lines_with_tokenizer(lines: list[str], tokenizer: PreTrainedTokenizerBase, seq_len: int) -> TokenRows:
-    """Text lines as pretrained-model examples (see encode_records_with_tokenizer)."""
-    return encode_records_with_tokenizer([Record(text=line) for line in lines], tokenizer, seq_len)[0]
 
 
 def first_records(cfg: RunConfig, n: int) -> list[Record]:
@@ -4645,13 +4657,24 @@ def merge_adapters(cfg: RunConfig, adapter: Path) -> Path:
 def chat_with(cfg: RunConfig, interactive: bool) -> None:
     """--chat PATH: a trained output answers --prompt, or, interactive, each line typed (an empty one ends),
     its reply streamed as it is generated."""
-    answer, turns = replier(cfg, cfg.chat), []
+    answer, turns = replier(cfg, chat_target(cfg.chat)), []
     for line in iter(lambda: input("you> ").strip(), "") if interactive else [cfg.prompt]:
         if not interactive:
             say(f"you> {line}")
         print("model> ", end="", flush=True)
         turns.append(("user", line))
         turns.append(("assistant", answer(tuple(turns))))
+
+
+def chat_target(path: Path) -> Path:
+    """What --chat PATH loads: the path itself, or in a run's output folder what the run wrote (merged first)."""
+    if path.is_file() or (path / "config.json").is_file() or (path / "adapter_config.json").is_file():
+        return path
+    if found := [path / name for name in ("merged", QWEN_FULL_FINAL, QWEN_FINAL, TINY_FINAL) if (path / name).exists()]:
+        say(f"[chat] {path} is a run's output folder: talking to {found[0]}")
+        return found[0]
+    raise UsageError(f"--chat {path}: no trained model in this folder; name a {TINY_FINAL}, or a folder of adapters, a "
+                     "merged or a fully fine-tuned model")  # fmt: skip
 
 
 def replier(cfg: RunConfig, path: Path) -> Callable[[tuple[tuple[str, str], ...]], str]:
@@ -4661,7 +4684,10 @@ def replier(cfg: RunConfig, path: Path) -> Callable[[tuple[tuple[str, str], ...]
     torch.manual_seed(cfg.seed)
     device = torch.device("cuda" if torch.cuda.is_available() and not cfg.cpu else "cpu")
     if path.is_file():
-        model = load_tiny_checkpoint(path, device).eval()
+        try:
+            model = load_tiny_checkpoint(path, device).eval()
+        except Exception:  # torch's words would suggest weights_only=False: never for a file of unknown origin
+            raise UsageError(f"--chat {path}: not a {TINY_FINAL} this script wrote") from None
         temperature = 0.8 if cfg.temperature is None else cfg.temperature
 
         def continue_line(turns: tuple[tuple[str, str], ...]) -> str:
@@ -7234,9 +7260,11 @@ def main(argv: list[str] | None = None) -> None:
             words = sys.argv[1:] if argv is None else list(argv)
             asked = any(w.split("=", 1)[0] == "--prompt" for w in words)
             try:
-                return chat_with(cfg, interactive=sys.stdin.isatty() and not asked)
+                return chat_with(cfg, interactive=not asked)  # turns typed, or piped in, until an empty line
             except (EOFError, KeyboardInterrupt):  # Ctrl-D or Ctrl-C at the prompt: the talk ends
                 return print()
+            except UsageError:
+                raise
             except Exception as e:
                 raise TrainingError(f"--chat {cfg.chat}: {describe_error(e)}") from None
         refuse_missing_inputs(cfg)

@@ -293,7 +293,9 @@ def loss_on_lines(model_dir: Path, adapter: Path | None, lines: list[str], seq_l
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     model = (PeftModel.from_pretrained(model, adapter) if adapter else model).eval()
-    val = stacked(script.encode_lines_with_tokenizer(lines, tokenizer, seq_len))
+    val = stacked(
+        script.encode_records_with_tokenizer([script.Record(text=line) for line in lines], tokenizer, seq_len)[0]
+    )
     with torch.no_grad():
         loss = script.token_loss_sum(model(input_ids=val.inputs).logits, val.targets).item()
     return loss / int((val.targets != script.IGNORE_INDEX).sum())
@@ -302,7 +304,7 @@ def loss_on_lines(model_dir: Path, adapter: Path | None, lines: list[str], seq_l
 def compare_with_trainer(steps: int, repeats: int, batch: int, seq_len: int, out: Path) -> dict:
     from tiny_qwen import build_tiny_qwen
 
-    lines = script.read_corpus_lines(script.DEFAULT_CORPUS)
+    lines = list(script.text_lines(script.DEFAULT_CORPUS))
     model_dir = build_tiny_qwen(out / "tiny_qwen", lines)
     same = {"--batch-size": batch, "--seq-len": seq_len, "--max-steps": steps, "--lr": 2e-3, "--min-lr": 2e-4,
             "--warmup-steps": max(1, steps // 10)}  # fmt: skip

@@ -344,7 +344,7 @@ def main() -> None:
     started, sizes, env = time.perf_counter(), SMOKE_SIZES if a.smoke else GPU_SIZES, environment()
     out = a.out or Path(tempfile.mkdtemp(prefix="gpu-check-"))
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    lines = script.read_corpus_lines(script.DEFAULT_CORPUS)
+    lines = list(script.text_lines(script.DEFAULT_CORPUS))
     corpus = write_corpus(out / "corpus.txt", lines, sizes.examples)
     models = build_models(out / "models", TOY_SHAPES if a.smoke else SHAPES, lines, a.smoke)
     trl = Config(f"TRL SFTTrainer ({CONFIGS[0].name}'s data and steps)", "0.5B", "lora", CONFIGS[0].pack)

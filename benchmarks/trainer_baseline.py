@@ -76,8 +76,13 @@ def main() -> None:
     torch.manual_seed(args.seed)
     lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     model = get_peft_model(model, lora)
-    lines = script.read_corpus_lines(args.corpus)
-    data = Lines(stacked(script.encode_lines_with_tokenizer(lines, tokenizer, args.seq_len)), tokenizer.pad_token_id)
+    lines = list(script.text_lines(args.corpus))
+    data = Lines(
+        stacked(
+            script.encode_records_with_tokenizer([script.Record(text=x) for x in lines], tokenizer, args.seq_len)[0]
+        ),
+        tokenizer.pad_token_id,
+    )
 
     training = TrainingArguments(
         output_dir=str(args.out / "trainer"),

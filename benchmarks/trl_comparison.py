@@ -121,7 +121,7 @@ def main() -> None:
     a = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="trl-comparison-"))
     try:
-        lines = script.read_corpus_lines(script.DEFAULT_CORPUS)
+        lines = list(script.text_lines(script.DEFAULT_CORPUS))
         model = build_tiny_qwen(root / "model", lines, **MODEL_SHAPE)
         records = chat_records(lines, a.conversations, seed=0)
         held_out = records[: len(records) // 10]

@@ -236,6 +236,42 @@ def test_chat_answers_a_prompt_from_a_tiny_checkpoint_the_same_for_the_same_seed
     assert other != first
 
 
+def test_flags_that_one_another_would_silently_drop_are_refused_in_one_line(tmp_path):
+    with pytest.raises(t.UsageError, match=r"^--eval-file holds the held-out data, .*: leave out --val-fraction$"):
+        t.parse_args(["--eval-file", str(tmp_path / "held.txt"), "--val-fraction", "0.2"])
+    with pytest.raises(t.UsageError, match=r"^--chat trains and merges nothing: merge first, then --chat OUTPUT_DIR"):
+        t.parse_args(["--chat", str(tmp_path), "--model", "hf", "--merge-lora"])
+
+
+def test_chat_given_a_runs_folder_talks_to_what_the_run_wrote_and_says_which(runs, capsys):
+    _, root = runs
+    ask = ["--prompt", "The gradient", "--cpu"]
+    shown = chat(["--chat", str(root / "plain"), *ask], capsys)
+    assert shown.startswith(f"[chat] {root / 'plain'} is a run's output folder: talking to {root / 'plain'}/tiny_")
+    assert shown.endswith(chat(["--chat", str(root / "plain" / "tiny_transformer.pt"), *ask], capsys))
+    assert "talking to " + str(root / "chat" / "merged") in chat(["--chat", str(root / "chat"), *ask], capsys)
+
+
+@pytest.mark.parametrize(
+    ("path", "refusal"),
+    [("plain/config.yaml", "not a tiny_transformer.pt this script wrote"), ("", "no trained model in this folder")],
+)
+def test_chat_on_what_holds_no_model_is_refused_in_one_line(runs, path, refusal, capsys):
+    _, root = runs
+    with pytest.raises(SystemExit) as ended:
+        t.main(["--chat", str(root / path), "--prompt", "x", "--cpu"])
+    errors = capsys.readouterr().err.splitlines()
+    assert ended.value.code == 2 and len(errors) == 1 and refusal in errors[0], errors
+
+
+def test_chat_answers_lines_piped_in_turn_by_turn(runs):
+    _, root = runs
+    args = [sys.executable, str(SCRIPT), "--chat", str(root / "plain" / "tiny_transformer.pt"), "--cpu"]
+    talk = subprocess.run(args, input="The rank\nAll ranks\n", capture_output=True, text=True, timeout=120,
+                          env=child_env())  # fmt: skip
+    assert talk.returncode == 0 and talk.stdout.count("model> ") == 2, talk
+
+
 @pytest.mark.parametrize("folder", ["qwen_lora", "merged"])
 def test_chat_answers_through_the_chat_template_from_an_adapter_folder_and_a_merged_one(runs, folder, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer

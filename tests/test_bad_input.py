@@ -333,4 +333,4 @@ def test_the_memory_check_counts_the_tiny_models_parameters_exactly():
 def test_a_byte_order_mark_is_not_trained_on(tmp_path):
     path = tmp_path / "bom.txt"
     path.write_bytes("\ufeffFirst line\nSecond line\n".encode())
-    assert t.read_corpus_lines(path) == ["First line", "Second line"]
+    assert list(t.text_lines(path)) == ["First line", "Second line"]

@@ -5,6 +5,8 @@ starts and which --config takes back to repeat the run bit for bit (a refused ru
 from __future__ import annotations
 
 import sys
+from dataclasses import fields, replace
+from pathlib import Path
 
 import pytest
 from conftest import assert_bitwise_equal, assert_ok, launch, run_jobs, weights
@@ -70,7 +72,44 @@ def test_without_pyyaml_config_names_the_package_to_install(tmp_path, monkeypatc
 )
 def test_every_setting_written_to_config_yaml_reads_back_as_the_same_settings(tmp_path, argv):
     cfg = t.parse_args([*argv, "--output-dir", str(tmp_path)])
-    assert t.parse_args(["--config", str(t.write_settings(cfg))]) == cfg
+    absolute = {f.name: getattr(cfg, f.name).resolve() for f in fields(cfg) if isinstance(getattr(cfg, f.name), Path)}
+    assert t.parse_args(["--config", str(t.write_settings(cfg))]) == replace(cfg, **absolute)
+
+
+def test_config_yaml_names_its_files_absolutely_so_it_repeats_the_run_from_any_folder(tmp_path, monkeypatch):
+    (tmp_path / "data.txt").write_text("one line\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = t.parse_args(["--corpus-file", "data.txt", "--output-dir", "out", "--metrics-file", "m.jsonl"])
+    written = t.write_settings(cfg).resolve()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    again, here = t.parse_args(["--config", str(written)]), tmp_path.resolve()
+    assert [again.corpus_file, again.output_dir, again.metrics_file] == [
+        here / n for n in ("data.txt", "out", "m.jsonl")
+    ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "then", "derived"),
+    [
+        (["--cpu"], ["--lr", "1e-4"], {"min_lr": 1e-5}),  # --min-lr: a tenth of --lr
+        (["--model", "hf"], ["--finetune", "full"], {"lr": 2e-5, "min_lr": 2e-6}),  # gentler for all the weights
+        (["--pp", "2", "--n-layers", "2"], ["--pp", "1"], {"grad_accum_steps": 1}),  # a micro-batch per stage
+    ],
+)
+def test_a_setting_the_run_derived_is_derived_anew_when_config_yaml_is_changed(tmp_path, argv, then, derived):
+    written = t.write_settings(t.parse_args([*argv, "--output-dir", str(tmp_path)]))
+    again = t.parse_args(["--config", str(written), *then])
+    assert {name: getattr(again, name) for name in derived} == pytest.approx(derived)
+
+
+def test_merge_lora_is_true_or_false_in_a_config_file_and_a_switch_takes_no_other_word(tmp_path):
+    hf = "model: hf\nfinetune: lora\n"
+    assert t.parse_args(["--config", settings(tmp_path, hf + "merge_lora: true\n")]).merge_lora == ""
+    assert t.parse_args(["--config", settings(tmp_path, hf + "merge_lora: false\n")]).merge_lora is None
+    path = settings(tmp_path, "cpu: 'no'\n")  # a word, not a boolean: it would have turned --cpu on
+    with pytest.raises(t.UsageError, match=r": cpu is on or off: true or false, not 'no'$"):
+        t.parse_args(["--config", path])
 
 
 def test_a_run_writes_config_yaml_which_repeats_it_bit_for_bit_and_a_refused_run_writes_none(tmp_path):

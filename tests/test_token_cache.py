@@ -221,7 +221,7 @@ def test_the_text_cleaner_strips_and_drops_lines_exactly_as_str_strip_does(tmp_p
     assert bytes(corpus.stream) == t.packed_stream(expected)
     lines = [bytes(corpus.stream[a + 1 : b]).decode() for a, b in zip(corpus.edges[:-1], corpus.edges[1:], strict=True)]
     assert lines == expected
-    assert t.read_corpus_lines(path) == expected
+    assert list(t.text_lines(path)) == expected
 
 
 @pytest.mark.parametrize("pack", [True, False])
