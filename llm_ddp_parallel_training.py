@@ -6673,6 +6673,8 @@ BATCH_SPLIT = ("world_size", "tp", "pp", "cp", "batch_size", "grad_accum_steps")
 def may_change(key: str, saved: dict, settings: dict) -> bool:
     if key in MAY_CHANGE_ON_RESUME:
         return True
+    if key == "model_name_or_path":  # one local folder, named as typed or whole (config.yaml writes it whole)
+        return len({Path(s[key]).expanduser().resolve() for s in (saved, settings)}) == 1
     if global_batch_of(saved) != global_batch_of(settings) or settings.get("loss_normalization") != "global-tokens":
         return False  # (a mean of per-rank means weighs tokens by how the batch is split)
     # The same global batch, split anew: and with another number of ranks, another way for them

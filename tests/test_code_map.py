@@ -19,12 +19,13 @@ TEACHING_CORE_LINES = 1600  # the loop's end: after the settings, ranks, the byt
 # which 15 are their flags in RunConfig, above the banner, paid for there by moving the test-only padded rows,
 # 37 lines, to tests/rows.py; --compile 7, 2 of them its flag in RunConfig; --chat refused under torchrun 2; a new
 # user's defects: config.yaml's derived and relative settings, merge_lora: true, --chat given a run's folder or piped
-# lines, two refusals, 42, 14 of them paid by inlining read_corpus_lines and encode_lines_with_tokenizer where used);
+# lines, two refusals, a model folder named whole on resume, 44, 14 of them paid by inlining read_corpus_lines and
+# encode_lines_with_tokenizer where used);
 # issue 36, at most 120 below the banner: two hosts, a lost host or link, 107; the --max-restarts warning 4;
 # issue 37, at most 350, 200 of them above the banner: --cp, context parallelism by ring attention, 198, 180 above;
 # the memory table's activations 26; FSDP over the dp x cp ranks 3, above; --inspect's mesh place and positions, and
 # the ring's passes on the timeline (Pipeline's spans moved to CommStats for both) 12, 9 of them above).
-SCRIPT_LINES = 6580 - 37 + 47 + 65 + 247 + 7 + 2 + 28 + 107 + 4 + 198 + 26 + 3 + 12
+SCRIPT_LINES = 6580 - 37 + 47 + 65 + 247 + 7 + 2 + 30 + 107 + 4 + 198 + 26 + 3 + 12
 CORE_LINES, CORE_CLASS_LINES = 2575 - 37 + 15 + 2 + 180 + 3 + 9, 220
 BANNER = next(i for i, line in enumerate(LINES, 1) if line.startswith("# ====="))
 

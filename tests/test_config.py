@@ -127,3 +127,13 @@ def test_a_run_writes_config_yaml_which_repeats_it_bit_for_bit_and_a_refused_run
     refused = launch(["--config", str(written), "--lr", "0.1"])  # into the first run's folder: its model stays
     assert refused.returncode == 2 and "already holds a finished run's model" in refused.stderr
     assert written.read_bytes() == before, "a refused run leaves the settings it did not train with unwritten"
+
+
+def test_a_checkpoint_that_named_its_model_folder_relatively_resumes_under_config_yaml_naming_it_whole(
+    tmp_path, monkeypatch
+):
+    (tmp_path / "model").mkdir()
+    monkeypatch.chdir(tmp_path)
+    saved, whole, other = ({"model_name_or_path": name} for name in ("model", str(tmp_path / "model"), "Qwen/other"))
+    assert t.may_change("model_name_or_path", saved, whole)
+    assert not t.may_change("model_name_or_path", saved, other)
