@@ -504,6 +504,8 @@ def laid_out(d: Dist, cfg: RunConfig) -> Dist:
     mesh = init_device_mesh(d.device.type, shape, mesh_dim_names=("dp", "pp", "tp", "cp"))
     if cfg.cp > 1:  # the replicas and their cp ranks hold the same weights: one group averages their gradients
         mesh["dp", "cp"]._flatten("dp_cp")
+    if cfg.tp > 1 and cfg.pp > 1:  # a replica's stages and slices: one group adds up its gradient norm
+        mesh["pp", "tp"]._flatten("pp_tp")
     return replace(d, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, mesh=mesh)
 
 
@@ -2172,6 +2174,12 @@ def own_dropout_stream(tp_rank: int) -> Iterator[None]:
         yield
 
 
+def tensor_parallel_cuts(i: int) -> dict[str, tuple[int, int]]:
+    """Block i's parameters that tensor parallelism slices: (the dimension cut, the fused parts in it)."""
+    return {f"blocks.{i}.attn.qkv.weight": (0, 3), f"blocks.{i}.attn.proj.weight": (1, 1),
+            f"blocks.{i}.mlp.0.weight": (0, 1), f"blocks.{i}.mlp.2.weight": (1, 1)}  # fmt: skip
+
+
 class TensorParallel(ModelSplit):
     """Megatron's layout over the tensor-parallel group: in every block q, k, v and the MLP's first
     Linear cut by output rows (column-parallel), the attention's output projection and the MLP's
@@ -2182,13 +2190,15 @@ class TensorParallel(ModelSplit):
 
     holds_all = False  # each rank holds a slice of every block's matrices
 
-    def __init__(self, model: nn.Module, d: Dist, manual: bool, stats: CommStats | None = None) -> None:
+    def __init__(self, model: nn.Module, d: Dist, manual: bool, stats: CommStats | None = None,
+                 blocks: range | None = None) -> None:  # fmt: skip
         self.group, self.n, self.rank = d.group("tp"), d.tp, d.tp_rank
         self.loss_share = float(d.tp_rank == 0)  # every slice computed the same loss: one counts it
         self.cuts: dict[str, tuple[int, int]] = {}  # parameter -> (the dimension cut, fused parts)
         for i, block in enumerate(model.blocks):
-            self.cuts |= {f"blocks.{i}.attn.qkv.weight": (0, 3), f"blocks.{i}.attn.proj.weight": (1, 1),
-                          f"blocks.{i}.mlp.0.weight": (0, 1), f"blocks.{i}.mlp.2.weight": (1, 1)}  # fmt: skip
+            if blocks is not None and i not in blocks:  # a pipeline stage's: its own blocks only (TensorParallelStage)
+                continue
+            self.cuts |= tensor_parallel_cuts(i)
             block.attn.own_dropout = functools.partial(own_dropout_stream, d.tp_rank)
             if manual:
                 block.attn.qkv = ColumnParallelLinear(block.attn.qkv, self.group, 3, stats)
@@ -2287,28 +2297,49 @@ class StageSplit(ModelSplit):
         return [f"{self.holdings()} ({sum(p.numel() for _, p in named_params):,} weights)"]
 
 
+class TensorParallelStage(TensorParallel):
+    """A pipeline stage whose blocks tensor parallelism slices (--tp with --pp, from scratch): the 3-D layout's
+    ranks, dp replicas x pp stages x tp slices. Activations between stages are whole, as the row-parallel
+    all-reduce leaves them: a stage sends to the next stage's rank of the same slice (its pp group)."""
+
+    def __init__(self, model: nn.Module, d: Dist, stats: CommStats, stage: StageSplit) -> None:
+        super().__init__(model, d, True, stats, blocks=stage.owned)
+        self.stage, self.replica = stage, d.group("pp_tp")
+        self.loss_share = stage.loss_share * self.loss_share  # the last stage's first slice counts the loss
+
+    def norm_parts(self, params: list[nn.Parameter], dp_sharded: bool = False) -> tuple[list, list, object]:
+        own, alike, _ = super().norm_parts(params)  # the slices, and the stage's whole ones counted on one slice
+        return own + alike * (self.rank == 0), [], self.replica
+
+    def holdings(self) -> str:
+        return f"{self.stage.holdings()}; of its blocks, {super().holdings()}"
+
+    def ownership(self, named_params: list) -> list[str]:
+        return [*self.stage.ownership(named_params), *super().ownership(named_params)]
+
+
 class PipelineState:
     """What a pipeline answers for the rest of the script: the whole state from its stages, each of
     which holds its own parameters whole (whole_state_dict, rank0_state, --inspect, --verify-sync)."""
 
     d: Dist
     group: dist.ProcessGroup
-    split: StageSplit
+    split: StageSplit | TensorParallelStage
 
     rank0_holds_all = False
 
     def whole_tensor(self, name: str, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return t  # a stage holds its own parameters whole
+        return self.split.whole(name, t)  # a stage holds its own parameters whole, or (--tp) gathers its slices
 
     def tensor_part(self, name: str, p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
-        return whole
+        return self.split.part(name, whole, p)
 
     def sends_to_rank0(self, d: Dist) -> bool:
-        return d.dp_rank == 0  # the first replica's stages
+        return d.dp_rank == 0 and d.tp_rank == 0  # the first replica's stages (their first slices)
 
     def join_stages(self, d: Dist, mine: object) -> list | None:
         """Every stage's `mine`, in stage order, on rank 0 (a collective of the first replica's stages)."""
-        if d.dp_rank:
+        if not self.sends_to_rank0(d):
             return None
         stages = [None] * d.pp if d.is_main else None
         dist.gather_object(mine, stages, dst=0, group=self.group)
@@ -2344,7 +2375,8 @@ class Pipeline(PipelineState, Wrapper):
             model.tok_emb = model.pos_emb = None
         if not self.last:
             model.ln_f = model.head = None
-        super().__init__(model, StageSplit(d, self.last, self.first, self.owned))
+        stage = StageSplit(d, self.last, self.first, self.owned)
+        super().__init__(model, TensorParallelStage(model, d, stats, stage) if d.tp > 1 else stage)
         self.d, self.cfg, self.stats = d, cfg, stats
         self.group, self.ranks = d.group("pp"), dist.get_process_group_ranks(d.group("pp"))
         self.sync = ManualDDP(model, d, cfg.bucket_mb, stats, self.split) if d.dp > 1 else None
@@ -2364,7 +2396,8 @@ class Pipeline(PipelineState, Wrapper):
         batches = [self.padded(b) for b in micro_batches]
         with self.sync.no_sync() if self.sync else contextlib.nullcontext():
             losses = self.schedule_step(batches, scales, micro)
-        return torch.stack(losses).sum() if losses else torch.zeros((), device=self.d.device)
+        loss = torch.stack(losses).sum() if losses else torch.zeros((), device=self.d.device)
+        return loss * self.split.loss_share  # (--tp: each slice of the last stage computed it, one counts it)
 
     def send(self, t: torch.Tensor, to: int) -> None:
         """t to the stage `to` steps away (+1: the next, -1: the one before), counted; traced once seen done."""
@@ -2644,7 +2677,8 @@ def split_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats) -> Mod
         return kit.split
     if d.cp > 1:
         return ContextParallel(d.group("cp"), kit.model, stats)
-    return TensorParallel(kit.model, d, cfg.ddp == "manual", stats) if d.tp > 1 else None
+    # Under --pp each stage slices its own blocks (TensorParallelStage), once the pipeline has cut them out.
+    return TensorParallel(kit.model, d, cfg.ddp == "manual", stats) if d.tp > 1 and d.pp == 1 else None
 
 
 def wrap_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats, split: ModelSplit | None) -> Wrapper:
@@ -5048,8 +5082,8 @@ def cannot_split(cfg: RunConfig) -> str | None:
                 "rank holds two); give a multiple of it")  # fmt: skip
     if cfg.cp > 1:
         return None
-    if cfg.tp > 1 and cfg.pp > 1:
-        return "--tp with --pp: the two splits do not compose yet; use one, with data parallelism along the rest"
+    if cfg.tp > 1 and cfg.pp > 1 and cfg.ddp == "torch":
+        return "--tp with --pp --ddp torch: torch's pipeline takes no sliced stages here; --ddp manual composes them"
     if cfg.model == "hf" and cfg.pp > 1:
         return "--pp with --model hf: stages are cut from the tiny model's blocks only; use --tp or --sharding full"
     flag = f"--tp {cfg.tp}" if cfg.tp > 1 else f"--pp {cfg.pp}"
@@ -6260,8 +6294,14 @@ def predict_memory(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
     n = d.replicas if d.distributed else 1  # sharding is along the ranks holding the same weights
     # A pipeline stage holds its own blocks (its part is cut out later); tensor parallelism has cut its slices already.
     layers = len(kit.blocks)
-    params = [p for name, p in kit.trained.named_parameters() if d.pp == 1 or stage_of(name, layers, d.pp) == d.pp_rank]
-    size = {id(p): local_part(p).numel() * p.element_size() for p in params}  # of a DTensor: this rank's part
+    named = [
+        (name, p)
+        for name, p in kit.trained.named_parameters()
+        if d.pp == 1 or stage_of(name, layers, d.pp) == d.pp_rank
+    ]
+    later = {n for i in range(layers) for n in tensor_parallel_cuts(i)} if d.pp > 1 else set()  # TensorParallelStage
+    size = {id(p): local_part(p).numel() * p.element_size() // (d.tp if name in later else 1) for name, p in named}
+    params = [p for _, p in named]  # (a DTensor's size: this rank's part)
     trainable = [p for p in params if p.requires_grad]
     moments = 2 if cfg.optimizer == "adamw" else 0  # plain SGD keeps no state
     whole = {

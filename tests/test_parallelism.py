@@ -55,6 +55,7 @@ TWO_RANK_LAYOUTS = {
 }
 # 4 ranks, 2 replicas of a model split in 2. (--tp 2 --sharding full has no from-scratch twin: refused.)
 FOUR_RANK_LAYOUTS = {"pp x ddp": ["--pp", "2"], "tp x ddp": ["--tp", "2"]}
+TP_X_PP = ["--tp", "2", "--pp", "2", "--ddp", "manual"]  # tensor parallelism inside pipeline stages: from scratch
 HAS_PEFT = importlib.util.find_spec("peft") is not None
 
 
@@ -92,6 +93,7 @@ def four_ranks(tmp_path_factory, tiny_qwen) -> dict[str, tuple[Run, Path]]:
     """The 4-rank runs, in one launch: 2 replicas of a model split in 2."""
     jobs = Jobs(tmp_path_factory.mktemp("four_ranks"))
     jobs.add("sgd tp x full/torch", [*SGD, "--tp", "2", "--sharding", "full"])
+    jobs.add("sgd tp x pp", [*SGD, *TP_X_PP])  # one replica: 2 stages, each sliced in 2
     for layout, flags in FOUR_RANK_LAYOUTS.items():
         for which in ("torch", "manual"):
             jobs.add(f"sgd {layout}/{which}", [*SGD, *flags, *ddp(which)])
@@ -147,11 +149,21 @@ def two_ranks(tmp_path_factory, tiny_qwen, four_ranks) -> dict[str, tuple[Run, P
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory, tiny_qwen, two_ranks) -> dict[str, tuple[Run, Path]]:
-    """The plain runs every split is judged against, and a --tp 2 checkpoint resumed by one process."""
+def eight_ranks(tmp_path_factory) -> dict[str, tuple[Run, Path]]:
+    """The 3-D layout: 2 replicas x 2 stages x 2 slices."""
+    jobs = Jobs(tmp_path_factory.mktemp("eight_ranks"))
+    jobs.add("sgd dp x tp x pp", [*SGD, *TP_X_PP])
+    return jobs.run(8, timeout=420)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, tiny_qwen, two_ranks, four_ranks) -> dict[str, tuple[Run, Path]]:
+    """The plain runs every split is judged against, and --tp 2 and --tp 2 --pp 2 checkpoints resumed by one process."""
     jobs = Jobs(tmp_path_factory.mktemp("one_process"))
     jobs.add("sgd", SGD)
     jobs.add("sgd tp resumed by none", [*SGD, "--resume", str(checkpoint(two_ranks["sgd tp/torch"][1], 6))])
+    tp_x_pp = checkpoint(four_ranks["sgd tp x pp"][1], 6)  # (--ddp is a setting a resume keeps)
+    jobs.add("sgd tp x pp resumed by none", [*SGD, "--ddp", "manual", "--resume", str(tp_x_pp)])
     jobs.add("adamw", ADAMW)
     jobs.add("nothing to split", [*TINY, "--max-steps", "1", "--tp", "2"])
     for finetune in ("full", "lora") if HAS_PEFT else ("full",):
@@ -201,6 +213,22 @@ def test_tp_with_fsdp_over_four_ranks_trains_the_weights_of_ddp(four_ranks, two_
     diff = max_difference(weights(reference), weights(split))
     print(f"tp 2 x fsdp 2 vs 2-rank DDP: max |dweight| = {diff:.3g}")
     assert diff < EXACT
+
+
+def test_tp_inside_pipeline_stages_over_four_ranks_trains_the_weights_of_one_process(four_ranks, one_process):
+    reference, split = finished(one_process, "sgd"), finished(four_ranks, "sgd tp x pp")
+    diff = max_difference(weights(reference), weights(split))
+    print(f"tp 2 x pp 2 vs one process: max |dweight| = {diff:.3g}")
+    assert diff < EXACT
+
+
+def test_the_3d_layout_dp_x_tp_x_pp_over_eight_ranks_trains_the_weights_of_ddp(eight_ranks, two_ranks):
+    reference, split = finished(two_ranks, "sgd ddp"), finished(eight_ranks, "sgd dp x tp x pp")
+    diff = max_difference(weights(reference), weights(split))
+    print(f"dp 2 x tp 2 x pp 2 vs 2-rank DDP: max |dweight| = {diff:.3g}")
+    assert diff < EXACT
+    assert "[run] 2 replica(s) of 4 rank(s) x 2 examples x 2 micro-step(s) = global batch 8" in eight_ranks[
+        "sgd dp x tp x pp"][0].stdout  # fmt: skip
 
 
 @pytest.mark.parametrize("layout", FOUR_RANK_LAYOUTS)
@@ -392,6 +420,13 @@ def test_a_tp_checkpoint_resumed_by_one_process_lands_on_the_uninterrupted_run(o
     assert diff < EXACT
 
 
+def test_a_tp_x_pp_checkpoint_resumed_by_one_process_lands_on_the_uninterrupted_run(one_process):
+    out = resumed(one_process, "sgd tp x pp resumed by none")
+    diff = max_difference(weights(finished(one_process, "sgd")), weights(out))
+    print(f"--tp 2 --pp 2 for 6 steps, then one process for 6, vs one process: max |dweight| = {diff:.3g}")
+    assert diff < EXACT
+
+
 def test_a_none_checkpoint_resumed_by_a_pipeline_lands_on_the_uninterrupted_run(two_ranks, one_process):
     out = resumed(two_ranks, "sgd none resumed by pp")
     diff = max_difference(weights(finished(one_process, "sgd")), weights(out))
@@ -529,7 +564,7 @@ def test_the_summary_gives_each_stages_bubble_beside_the_ideal(two_ranks):
 
 
 REFUSED = {
-    "tp with pp": (["--n-layers", "2", "--tp", "2", "--pp", "2"], "--tp with --pp"),
+    "torch's tp with pp": (["--n-layers", "2", "--tp", "2", "--pp", "2"], "--tp with --pp --ddp torch: torch's"),
     "tp with sharding optimizer": (["--tp", "2", "--sharding", "optimizer"], "--tp 2 with --sharding optimizer"),
     "pp with sharding full": (["--n-layers", "2", "--pp", "2", "--sharding", "full"], "--pp 2 with --sharding full"),
     "tp with from-scratch fsdp": (["--tp", "2", "--sharding", "full", "--ddp", "manual"],
