@@ -412,6 +412,11 @@ class Dist:
         return self.dp * self.cp
 
     @property
+    def seed_offset(self) -> int:
+        """Dropout's stream: one per tensor-parallel group, whose slices compute one replica's activations."""
+        return self.rank // (self.tp * self.cp) * self.cp + self.cp_rank
+
+    @property
     def replica_dim(self) -> str:
         """The mesh's dimension of the ranks that average their gradients (replicas): "dp", with --cp "dp_cp"."""
         return "dp_cp" if self.cp > 1 else "dp"
@@ -2528,24 +2533,29 @@ class TorchPipeline(Pipeline):
 # the gradient average alone (torch's DDP or ManualDDP, over the replicas and their cp ranks).
 
 
-class ContextParallel(ModelSplit):
+class ContextParallel:
     """Each example's sequence cut into 2N equal chunks over the N ranks of the cp group: rank i holds chunks
     i and 2N-1-i (early ones cost little under a causal mask, late ones much: a pair balances the work),
-    with their global positions. Every weight is whole on every rank; each rank's targets are its own."""
+    with their global positions; each rank's targets are its own. The weights are as `inner` splits them:
+    whole (ModelSplit), or under --tp sliced (TensorParallel: each slice's ranks ring their own heads)."""
 
     KV, DKV = 1, 2  # the ring's message kinds, as tags: keys and values, and their gradients on the way home
 
-    def __init__(self, group: dist.ProcessGroup, model: nn.Module | None = None,
-                 stats: CommStats | None = None) -> None:  # fmt: skip
+    def __init__(self, group: dist.ProcessGroup, model: nn.Module | None = None, stats: CommStats | None = None,
+                 inner: ModelSplit | None = None) -> None:  # fmt: skip
+        self.inner = inner or ModelSplit()  # first: __getattr__ reads it
         self.group, self.n, self.rank, self.stats = group, dist.get_world_size(group), dist.get_rank(group), stats
         self.peers = [dist.get_global_rank(group, i) for i in range(self.n)]  # isend/irecv take global ranks
         self.seq_len = model.config.seq_len if model is not None else None  # (--inspect's positions)
         for block in model.blocks if model is not None else []:  # the model's attention made the ring's
             block.attn.attend = functools.partial(RingAttention.apply, ring=self)
 
+    def __getattr__(self, name: str) -> object:  # what the ring does not change: the weights' split, the loss share
+        return getattr(self.inner, name)
+
     @property
-    def example_share(self) -> float:
-        return float(self.rank == 0)  # every rank of the ring computes a part of the same examples: one counts them
+    def example_share(self) -> float:  # every rank of the ring computes a part of the same examples: one counts them
+        return float(self.rank == 0) * self.inner.example_share
 
     def chunks(self, rank: int) -> tuple[int, int]:
         return rank, 2 * self.n - 1 - rank
@@ -2553,7 +2563,7 @@ class ContextParallel(ModelSplit):
     def ownership(self, named_params: list) -> list[str]:
         (i, j), c = self.chunks(self.rank), self.seq_len // (2 * self.n)
         return [f"positions {i * c}-{(i + 1) * c - 1} and {j * c}-{(j + 1) * c - 1} of every example (chunks {i} and "
-                f"{j} of {2 * self.n}), every weight whole"]  # fmt: skip
+                f"{j} of {2 * self.n})", *(self.inner.ownership(named_params) or ["every weight whole"])]  # fmt: skip
 
     def own_part(self, batch: tuple) -> tuple:
         """This rank's two chunks of every row (inputs, targets), and their positions. A row cut short
@@ -2675,10 +2685,9 @@ def split_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats) -> Mod
     """Tensor parallelism applied to the model in place, before the data-parallel wrapper takes it."""
     if kit.split is not None:
         return kit.split
-    if d.cp > 1:
-        return ContextParallel(d.group("cp"), kit.model, stats)
     # Under --pp each stage slices its own blocks (TensorParallelStage), once the pipeline has cut them out.
-    return TensorParallel(kit.model, d, cfg.ddp == "manual", stats) if d.tp > 1 and d.pp == 1 else None
+    tp = TensorParallel(kit.model, d, cfg.ddp == "manual", stats) if d.tp > 1 and d.pp == 1 else None
+    return ContextParallel(d.group("cp"), kit.model, stats, tp) if d.cp > 1 else tp
 
 
 def wrap_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats, split: ModelSplit | None) -> Wrapper:
@@ -2688,11 +2697,11 @@ def wrap_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats, split: 
         return (TorchPipeline if cfg.ddp == "torch" else Pipeline)(kit, cfg, d, stats)
     if d.distributed and cfg.sharding == "full":
         return shard_fully(kit, cfg, d, stats, split)
-    if split and not split.holds_all and d.dp > 1 and cfg.ddp == "torch":
+    if split and not split.holds_all and d.replicas > 1 and cfg.ddp == "torch":
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         for unit in [*kit.blocks, kit.trained]:  # inner units first, as fully_shard takes them
-            replicate(unit, mesh=d.mesh["dp"])
+            replicate(unit, mesh=d.mesh[d.replica_dim])
         return TorchReplicated(kit.trained, split)
     return wrap_data_parallel(kit.trained, cfg, d, stats, split)
 
@@ -2765,7 +2774,7 @@ def run_core(argv: list[str] | None = None) -> None:
         kit = build_tiny_kit(cfg, d, Lines.from_texts([line.strip() for line in text.split("\n") if line.strip()]))
         # Dropout: each replica its own stream (W ranks dropping the same units of different examples would not
         # be one process with a W-times batch); a tensor-parallel group computes one replica's activations.
-        torch.manual_seed(cfg.seed + d.rank // d.tp)
+        torch.manual_seed(cfg.seed + d.seed_offset)
         model, progress = train(cfg, d, kit, PrintLoss(d))  # shard, train, sync: step after step
         whole = whole_state_dict(model, d, kit.model)  # a collective where no rank holds the whole model
         if d.is_main:
@@ -5072,15 +5081,14 @@ def cannot_shard_fully(cfg: RunConfig) -> str | None:
 
 def cannot_split(cfg: RunConfig) -> str | None:
     """What --tp, --pp and --cp cannot do (yet), each named, before any rank trains."""
-    if cfg.cp > 1 and cfg.tp * cfg.pp > 1:
-        other = "--tp" if cfg.tp > 1 else "--pp"
-        return f"--cp with {other}: the two do not compose yet; use --cp with data parallelism along the rest"
+    if cfg.cp > 1 and cfg.pp > 1:
+        return "--cp with --pp: the two do not compose yet; use --cp with --tp and data parallelism"
     if cfg.cp > 1 and cfg.model == "hf":
         return "--cp runs the tiny model; not yet with --model hf"
     if cfg.cp > 1 and cfg.seq_len % (2 * cfg.cp):
         return (f"--seq-len {cfg.seq_len} does not cut into 2 x --cp {cfg.cp} = {2 * cfg.cp} equal chunks (each cp "
                 "rank holds two); give a multiple of it")  # fmt: skip
-    if cfg.cp > 1:
+    if cfg.cp > 1 and cfg.tp == 1:
         return None
     if cfg.tp > 1 and cfg.pp > 1 and cfg.ddp == "torch":
         return "--tp with --pp --ddp torch: torch's pipeline takes no sliced stages here; --ddp manual composes them"
@@ -7091,7 +7099,7 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
     # Initialisation used --seed alone: the replicas start identical. Dropout must not: W ranks
     # dropping the same units of their different examples is not one process with a W-times batch.
     # A tensor-parallel group's ranks compute one replica's activations together: one seed for them.
-    torch.manual_seed(cfg.seed + d.rank // d.tp)
+    torch.manual_seed(cfg.seed + d.seed_offset)
     log(
         d,
         f"[data] {cfg.dataset or cfg.corpus_file}: {len(training)} training {describe_records(corpus.fmt)} -> "

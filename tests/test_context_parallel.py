@@ -72,6 +72,8 @@ def four_ranks(root) -> dict[str, Run]:
         "dp x cp zero-1": [*SGD, "--cp", "2", "--ddp", "manual", "--sharding", "optimizer"],
         "dp x cp fsdp": [*SGD, "--cp", "2", "--sharding", "full"],  # torch's fully_shard over the dp x cp ranks
         "dp x cp manual fsdp": [*SGD, "--cp", "2", "--sharding", "full", "--ddp", "manual"],
+        "tp x cp torch": [*SGD, "--cp", "2", "--tp", "2"],  # each slice's 2 ranks ring its own head
+        "tp x cp manual": [*SGD, "--cp", "2", "--tp", "2", "--ddp", "manual"],
         "ring": ["probe:ring float64"],
     }), 4, timeout=400)  # fmt: skip
 
@@ -116,6 +118,15 @@ def test_dp_x_cp_over_four_ranks_trains_the_weights_of_two_rank_ddp(four_ranks, 
     print(f"dp 2 x cp 2/{which} vs 2-rank DDP: max |dweight| = {diff:.3g}")
     assert diff < EXACT
     assert max(map(abs, np.subtract(held_out(split), held_out(ddp)))) < EXACT
+
+
+@pytest.mark.parametrize("which", ["torch", "manual"])
+def test_tp_x_cp_over_four_ranks_trains_the_weights_of_one_process(four_ranks, one_process, root, which):
+    split, plain = finished(four_ranks, f"tp x cp {which}", root), finished(one_process, "plain", root)
+    diff = max_difference(weights(plain), weights(split))
+    print(f"tp 2 x cp 2/{which} vs one process: max |dweight| = {diff:.3g}")
+    assert diff < EXACT
+    assert max(map(abs, np.subtract(held_out(split), held_out(plain)))) < EXACT
 
 
 def test_manual_ddp_under_cp_is_bitwise_torchs_ddp(two_ranks, four_ranks, root):
@@ -177,7 +188,7 @@ def test_inspect_says_each_ranks_place_in_the_mesh_and_the_positions_it_holds(tw
     for rank, held in ((0, "positions 0-15 and 48-63 of every example (chunks 0 and 3 of 4)"),
                        (1, "positions 16-31 and 32-47 of every example (chunks 1 and 2 of 4)")):  # fmt: skip
         assert f"[inspect] rank {rank}: dp 0 of 1, pp 0 of 1, tp 0 of 1, cp {rank} of 2\n" in out
-        assert f"[inspect] rank {rank}: {held}, every weight whole" in out
+        assert f"[inspect] rank {rank}: {held}\n[inspect] rank {rank}: every weight whole\n" in out
 
 
 def test_the_timeline_draws_each_ring_pass_beside_the_blocks_it_overlaps(two_ranks, root):
@@ -222,7 +233,6 @@ def test_a_ddp_checkpoint_resumes_under_cp(two_ranks, root):
 
 REFUSED = {
     "seq-len not in 2N chunks": (["--cp", "3", "--seq-len", "64"], "--seq-len 64 does not cut into 2 x --cp 3 = 6"),
-    "cp with tp": (["--cp", "2", "--tp", "2"], "--cp with --tp: the two do not compose yet"),
     "cp with pp": (["--cp", "2", "--pp", "2", "--n-layers", "2"], "--cp with --pp: the two do not compose yet"),
     "cp with hf": (["--cp", "2", "--model", "hf"], "--cp runs the tiny model; not yet with --model hf"),
     "cp with sample-every": (["--cp", "2", "--sample-every", "5"], "--sample-every samples rank 0's whole model"),
