@@ -157,13 +157,16 @@ def eight_ranks(tmp_path_factory) -> dict[str, tuple[Run, Path]]:
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory, tiny_qwen, two_ranks, four_ranks) -> dict[str, tuple[Run, Path]]:
-    """The plain runs every split is judged against, and --tp 2 and --tp 2 --pp 2 checkpoints resumed by one process."""
+def one_process(tmp_path_factory, tiny_qwen, two_ranks, four_ranks, eight_ranks) -> dict[str, tuple[Run, Path]]:
+    """The plain runs every split is judged against, and --tp 2, --tp 2 --pp 2 and 3-D checkpoints resumed by one
+    process."""
     jobs = Jobs(tmp_path_factory.mktemp("one_process"))
     jobs.add("sgd", SGD)
     jobs.add("sgd tp resumed by none", [*SGD, "--resume", str(checkpoint(two_ranks["sgd tp/torch"][1], 6))])
     tp_x_pp = checkpoint(four_ranks["sgd tp x pp"][1], 6)  # (--ddp is a setting a resume keeps)
     jobs.add("sgd tp x pp resumed by none", [*SGD, "--ddp", "manual", "--resume", str(tp_x_pp)])
+    three_d = checkpoint(eight_ranks["sgd dp x tp x pp"][1], 6)  # global batch 8: one process takes 4 x 2
+    jobs.add("sgd 3-d resumed by none", [*SGD, "--batch-size", "4", "--ddp", "manual", "--resume", str(three_d)])
     jobs.add("adamw", ADAMW)
     jobs.add("nothing to split", [*TINY, "--max-steps", "1", "--tp", "2"])
     for finetune in ("full", "lora") if HAS_PEFT else ("full",):
@@ -424,6 +427,13 @@ def test_a_tp_x_pp_checkpoint_resumed_by_one_process_lands_on_the_uninterrupted_
     out = resumed(one_process, "sgd tp x pp resumed by none")
     diff = max_difference(weights(finished(one_process, "sgd")), weights(out))
     print(f"--tp 2 --pp 2 for 6 steps, then one process for 6, vs one process: max |dweight| = {diff:.3g}")
+    assert diff < EXACT
+
+
+def test_a_3d_checkpoint_of_eight_ranks_resumed_by_one_process_lands_on_2_rank_ddp(one_process, two_ranks):
+    out = resumed(one_process, "sgd 3-d resumed by none")
+    diff = max_difference(weights(finished(two_ranks, "sgd ddp")), weights(out))
+    print(f"dp 2 x tp 2 x pp 2 for 6 steps, then one process for 6, vs 2-rank DDP: max |dweight| = {diff:.3g}")
     assert diff < EXACT
 
 
