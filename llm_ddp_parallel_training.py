@@ -2551,6 +2551,8 @@ class ContextParallel:
             block.attn.attend = functools.partial(RingAttention.apply, ring=self)
 
     def __getattr__(self, name: str) -> object:  # what the ring does not change: the weights' split, the loss share
+        if name == "inner":  # not set yet (copy makes the object first): no answer, rather than endless recursion
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
     @property

@@ -18,6 +18,7 @@ Launches: jobs of the shared 2-rank, 4-rank and one-process launches (conftest.r
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -229,6 +230,13 @@ def test_a_ddp_checkpoint_resumes_under_cp(two_ranks, root):
     diff = max_difference(weights(root / "ddp"), weights(out))
     print(f"2-rank DDP for 6 steps, then --cp 2 for 6, vs 2-rank DDP: max |dweight| = {diff:.3g}")
     assert diff < EXACT
+
+
+def test_a_context_parallel_split_answers_for_its_inner_split_and_copies_without_recursing():
+    bare = t.ContextParallel.__new__(t.ContextParallel)  # as copy and pickle make one, before its state
+    assert not hasattr(bare, "sliced")
+    bare.inner = t.ModelSplit()
+    assert copy.deepcopy(bare).holds_all and bare.loss_share == 1.0 and not bare.sliced("blocks.0.attn.qkv.weight")
 
 
 REFUSED = {
