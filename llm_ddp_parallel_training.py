@@ -924,8 +924,8 @@ DDP_TAKES = inspect.signature(DDP.__init__).parameters
 
 def wrap_data_parallel(model: nn.Module, cfg: RunConfig, d: Dist, stats: CommStats,
                        split: ModelSplit | None = None) -> nn.Module:  # fmt: skip
-    if not d.distributed or (split and d.replicas == 1):
-        return Wrapper(model, split)  # one plain process, or one model split over every rank: nothing to average
+    if not d.distributed or d.replicas == 1:
+        return Wrapper(model, split)  # one process (a group of one too), or one split model: nothing to average
     if cfg.ddp == "manual":
         return ManualDDP(model, d, cfg.bucket_mb, stats, split)
     # torch's DDP broadcasts rank 0's parameters to all ranks now, then hooks every parameter:
@@ -5049,6 +5049,8 @@ def check_lora_targets(model: nn.Module, targets: tuple[str, ...]) -> None:
 def describe_gradient_sync(cfg: RunConfig, d: Dist) -> str:
     if not d.distributed:
         return "none (one process: its gradient is already the whole batch's)"
+    if d.world_size == 1:
+        return "none (a process group of one: no other rank to average with)"
     if d.replicas == 1:
         return "none (one replica, split over every rank: no other replica to average with)"
     if cfg.sharding == "full":
@@ -6119,7 +6121,7 @@ class Reporter:
         if not self.d.is_main:
             return
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{speed:,.0f}")
-        line = format_metrics(record, cfg.max_steps, self.d.distributed)
+        line = format_metrics(record, cfg.max_steps, self.d.replicas > 1)
         if not self.show_bar:
             say(line)
         elif "val_loss" in record:
@@ -6239,10 +6241,10 @@ class Trackers:
         self.live = {}
 
 
-def format_metrics(r: dict[str, float], max_steps: int, distributed: bool) -> str:
+def format_metrics(r: dict[str, float], max_steps: int, averaged: bool) -> str:
     line = (f"step {int(r['step']):>5}/{max_steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
             f"grad norm {r['grad_norm']:.3f} | {r['tokens_per_sec']:,.0f} tok/s")  # fmt: skip
-    if distributed and "allreduce_calls" in r:
+    if averaged and "allreduce_calls" in r:  # replicas average their gradients: say what that cost
         line += f" | all-reduced {r['allreduce_calls']} bucket(s), {r['allreduce_bytes'] / 2**20:.2f} MiB"
     if "mfu" in r:
         line += f" | MFU {100 * r['mfu']:.1f}%"

@@ -274,7 +274,8 @@ def trl_worker(spec: dict) -> None:
                        max_length=spec["seq_len"], packing=spec["pack"], bf16=not spec["smoke"], use_cpu=spec["smoke"],
                        ddp_backend="gloo" if spec["smoke"] else "nccl", learning_rate=2e-4, save_strategy="no",
                        model_init_kwargs={"dtype": "float32" if spec["smoke"] else "bfloat16"},  # as the script's
-                       report_to=[], logging_steps=spec["log_every"], dataloader_drop_last=True, seed=1337)  # fmt: skip
+                       report_to=[], logging_steps=spec["log_every"], dataloader_drop_last=True, seed=1337,
+                       gradient_checkpointing=False)  # fmt: skip  # the script's default; TRL 1.x's is on
     lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     trainer = SFTTrainer(model=spec["model"], args=config, train_dataset=Dataset.from_dict({"text": texts}),
                          peft_config=lora, callbacks=[clock := Clock()])  # fmt: skip
