@@ -2959,6 +2959,10 @@ def config_words(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
             words += [flag] if value else []
         elif value is not None:
             words += [flag, ",".join(map(str, value)) if isinstance(value, list) else str(value)]
+    try:  # each value read alone first, so that a bad one is blamed on the file, not on the command line
+        parser.parse_args(words)
+    except UsageError as e:
+        raise UsageError(f"--config {path}: {str(e).removeprefix('argument ')}") from None
     return words
 
 
@@ -3030,8 +3034,8 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     if args.chat and args.merge_lora is not None:
         raise UsageError("--chat trains and merges nothing: merge first, then --chat OUTPUT_DIR/merged")
     settle_defaults(args, typed)
-    if args.cache_dir is None:
-        args.cache_dir = default_cache_dir()
+    if args.cache_dir is None:  # where datasets and transformers keep theirs: $XDG_CACHE_HOME, else ~/.cache
+        args.cache_dir = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llm_ddp_parallel_training"
     else:
         args.cache_dir = None if args.cache_dir.lower() == "none" else Path(args.cache_dir).expanduser()
     if args.min_lr > args.lr:
@@ -3370,11 +3374,6 @@ TEXT_CHUNK_BYTES = 4 << 20  # a text corpus is cleaned this many bytes at a time
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx", ".ckpt")
 READ_AS_NEEDED = ("stream", "edges", "ids", "is_target")  # one entry per token or line: FileArray
 DATASET_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
-
-
-def default_cache_dir() -> Path:
-    """Where datasets and transformers keep theirs: $XDG_CACHE_HOME, else ~/.cache."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llm_ddp_parallel_training"
 
 
 def check_readable(path: Path, what: str = "corpus") -> None:
@@ -5047,10 +5046,8 @@ def check_lora_targets(model: nn.Module, targets: tuple[str, ...]) -> None:
 
 
 def describe_gradient_sync(cfg: RunConfig, d: Dist) -> str:
-    if not d.distributed:
+    if d.world_size == 1:  # one plain process, or a process group of one (torchrun with one rank)
         return "none (one process: its gradient is already the whole batch's)"
-    if d.world_size == 1:
-        return "none (a process group of one: no other rank to average with)"
     if d.replicas == 1:
         return "none (one replica, split over every rank: no other replica to average with)"
     if cfg.sharding == "full":
@@ -7306,7 +7303,8 @@ def main(argv: list[str] | None = None) -> None:
         if cfg.merge_lora:  # an adapter folder given: merge it, and nothing else
             OUTPUT_LOCK.hold(cfg.output_dir)
             try:
-                say(f"[save] the merged model: {merge_adapters(cfg, Path(cfg.merge_lora))}")
+                replaced = " (the one there replaced)" if (cfg.output_dir / "merged").exists() else ""
+                say(f"[save] the merged model{replaced}: {merge_adapters(cfg, Path(cfg.merge_lora))}")
             except Exception as e:  # its base gone, a damaged file, a full disk: one line, as a run's failures
                 raise TrainingError(f"could not merge {cfg.merge_lora}: {describe_error(e)}") from None
             return

@@ -30,7 +30,10 @@ def test_a_config_files_settings_reach_the_run_and_the_command_line_overrides_th
 def test_a_config_file_is_read_as_the_flags_are_with_their_ranges_and_refusals(tmp_path):
     cfg = t.parse_args(["--config", settings(tmp_path, "model: hf\nlora_targets: [q_proj, k_proj]\n")])
     assert cfg.lora_targets == ("q_proj", "k_proj")
-    with pytest.raises(t.UsageError, match=r"^argument --seq-len: must be a positive integer, got 0$"):
+    # A bad value is blamed on the file that holds it, not on the command line, which never said it.
+    with pytest.raises(
+        t.UsageError, match=r"^--config \S+settings.yaml: --seq-len: must be a positive integer, got 0$"
+    ):
         t.parse_args(["--config", settings(tmp_path, "seq_len: 0\n")])
     with pytest.raises(t.UsageError, match=r"^--d-model 128 is for the tiny model \(--model tiny\)"):
         t.parse_args(["--config", settings(tmp_path, "d_model: 128\n"), "--model", "hf"])

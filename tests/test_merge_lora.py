@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 from conftest import assert_ok, child_env, launch, run_jobs
+from in_process import run_main
 
 import llm_ddp_parallel_training as t
 
@@ -77,6 +78,17 @@ def test_an_adapter_folder_merges_alone_without_training(trained, tmp_path):
     assert alone.stdout.strip() == f"[save] the merged model: {tmp_path / 'alone' / 'merged'}"
     saved = (tmp_path / "alone" / "merged" / "model.safetensors").read_bytes()
     assert saved == (out / "merged" / "model.safetensors").read_bytes(), "the same merge as at the run's end"
+
+
+def test_merging_into_a_folder_that_holds_a_merge_replaces_it_and_says_so(trained, tmp_path, monkeypatch, capsys):
+    _, out = trained
+    stale = tmp_path / "merged" / "model.safetensors"
+    stale.parent.mkdir()
+    stale.write_text("an earlier merge")
+    run = run_main(["--merge-lora", str(out / "qwen_lora"), "--output-dir", str(tmp_path)], monkeypatch, capsys)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == f"[save] the merged model (the one there replaced): {tmp_path / 'merged'}"
+    assert stale.read_bytes() == (out / "merged" / "model.safetensors").read_bytes()
 
 
 @pytest.mark.parametrize(

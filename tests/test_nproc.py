@@ -34,7 +34,7 @@ def test_a_process_group_of_one_averages_nothing(tmp_path):
     # no DDP and no all-reduce (an H200 run of a 1.5B full fine-tune had sent 2.9 GiB a step to itself).
     run = launch([*TINY, "--nproc", "1", "--max-steps", "3", "--log-every", "1", "--output-dir", str(tmp_path)])
     assert_ok(run)
-    assert "gradient sync: none (a process group of one: no other rank to average with)" in run.stdout
+    assert "gradient sync: none (one process: its gradient is already the whole batch's)" in run.stdout
     assert "all-reduced" not in run.stdout and "per step: nothing" in run.stdout
 
 
