@@ -81,6 +81,9 @@ from difflib import get_close_matches
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+if __name__ == "__main__":  # Ctrl-C in the seconds the imports below take, or before training: nothing to save yet,
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))  # so a shell's 130, no traceback (StopSignals)
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -1658,12 +1661,6 @@ def holds_a_share(optimizer: torch.optim.Optimizer) -> bool:
     return hasattr(optimizer, "optim")
 
 
-def optimizer_state_tensors(named_params: list, optimizer: torch.optim.Optimizer) -> list:
-    """(what, name, parameter, tensor) for each tensor of the optimizer's state (Adam's moments and step)."""
-    return [(f"optimizer {k} of {n}", n, p, v) for n, p in named_params
-            for k, v in optimizer.state.get(p, {}).items() if torch.is_tensor(v)]  # fmt: skip
-
-
 def describe_optimizer_share(named_params: list, optimizer: torch.optim.Optimizer) -> list[str]:
     mine = {p for group in optimizer.optim.param_groups for p in group["params"]}
     owned = [(n, p) for n, p in named_params if p in mine]
@@ -2274,14 +2271,6 @@ class TensorParallel(ModelSplit):
 def stage_blocks(stage: int, n_layers: int, stages: int) -> range:
     """The blocks of a stage: a contiguous run, the stages as even as the blocks allow."""
     return range(stage * n_layers // stages, (stage + 1) * n_layers // stages)
-
-
-def stage_of(name: str, n_layers: int, stages: int) -> int:
-    """The stage that holds parameter `name`: its block's; the embeddings the first's, the rest the last's."""
-    if name.startswith("blocks."):
-        block = int(name.split(".")[1])
-        return next(s for s in range(stages) if block in stage_blocks(s, n_layers, stages))
-    return 0 if name.startswith(("tok_emb", "pos_emb")) else stages - 1
 
 
 class StageSplit(ModelSplit):
@@ -3137,10 +3126,12 @@ def launch_local_ranks(cfg: RunConfig, argv: list[str]) -> int:
     ]
 
     def forward(signum: int, frame: object) -> None:
+        forwarded.append(signum)
         for rank in ranks:
             with contextlib.suppress(OSError):
                 rank.send_signal(signum)
 
+    forwarded: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, forward)
     try:
@@ -3155,7 +3146,8 @@ def launch_local_ranks(cfg: RunConfig, argv: list[str]) -> int:
         while any(rank.poll() is None for rank in ranks) and time.monotonic() < deadline:
             time.sleep(0.1)
         rank, code = failed[0]
-        if code != EXIT_USAGE:  # bad input is the same on every rank, and rank 0 has said it in one line
+        # Bad input: rank 0 said it in one line. Ctrl-C before training: the ranks ended quietly (130; -2 in start-up)
+        if code != EXIT_USAGE and not (forwarded and code in (130, -signal.SIGINT)):
             print(f"error: rank {rank} failed first (exit code {code}); every rank has stopped", file=sys.stderr)
         return code if code > 0 else 1
     finally:
@@ -4641,7 +4633,7 @@ def build_pretrained_kit(
             else ", every weight trained"
         )
         + f": {trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.3f}%)",
-        blocks=list(decoder_layers(model)),
+        blocks=list(decoder_body(model).layers),
         collate=collate_for(cfg),
         reload=functools.partial(reload_pretrained, cfg, dtype, d.device),
         split=PlannedTensorParallel(model, d) if d.tp > 1 else None,
@@ -4798,9 +4790,10 @@ def causal_lm(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
+def decoder_body(model: nn.Module) -> nn.Module:
+    """The Transformer's body (Qwen2Model inside Qwen2ForCausalLM): its layers, without the output head."""
     lm = causal_lm(model)
-    return getattr(lm, lm.base_model_prefix).layers
+    return getattr(lm, lm.base_model_prefix)
 
 
 def gpu_computes_bf16() -> bool:
@@ -4821,8 +4814,7 @@ class LeanHeadLoss(nn.Module):
         self.lm = lm  # the PEFT model; its body and head are looked up, not registered twice
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        lm = causal_lm(self.lm)
-        body, head = getattr(lm, lm.base_model_prefix), lm.get_output_embeddings()
+        body, head = decoder_body(self.lm), causal_lm(self.lm).get_output_embeddings()
         hidden = body(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
         keep = targets != IGNORE_INDEX
         total = hidden.new_zeros((), dtype=torch.float32)
@@ -5191,6 +5183,12 @@ def all_gather_tensor(d: Dist, t: torch.Tensor) -> list[torch.Tensor]:
     out = [torch.empty_like(t) for _ in range(d.world_size)]
     dist.all_gather(out, t, group=d.control)
     return out
+
+
+def optimizer_state_tensors(named_params: list, optimizer: torch.optim.Optimizer) -> list:
+    """(what, name, parameter, tensor) for each tensor of the optimizer's state (Adam's moments and step)."""
+    return [(f"optimizer {k} of {n}", n, p, v) for n, p in named_params
+            for k, v in optimizer.state.get(p, {}).items() if torch.is_tensor(v)]  # fmt: skip
 
 
 def replicated(model: Layout, named_params: list, optimizer: torch.optim.Optimizer | None = None) -> list:
@@ -5765,7 +5763,8 @@ class SideWork(Hooks):
 
     def gradients_synced(self, step: int, model: Layout, named_params: list, sent: tuple[int, int],
                          local_loss_sum: torch.Tensor, micro_tokens: list[int]) -> None:  # fmt: skip
-        self.sent = sent_in_buckets(model, *sent)
+        # The step's bucket all-reduces for the metrics, where gradients travel in DDP's buckets.
+        self.sent = {"allreduce_calls": sent[0], "allreduce_bytes": sent[1]} if model.all_reduces_buckets else {}
         if self.fault == "desync":  # pretend this rank's gradient sync silently went wrong
             named_params[0][1].grad.add_(1e-3)
         if step == 1:
@@ -5972,11 +5971,6 @@ def announce_run(cfg: RunConfig, d: Dist, sampler: DistributedSampler, steps_per
             f"dp {d.dp_rank} of {d.dp}, pp {d.pp_rank} of {d.pp}, tp {d.tp_rank} of {d.tp}, cp {d.cp_rank} of {d.cp}"
         )
         print_in_rank_order(d, [place, *describe_shards(sampler), *model.ownership(named_params, optimizer)])
-
-
-def sent_in_buckets(model: Layout, calls: int, nbytes: int) -> dict[str, int]:
-    """The step's bucket all-reduces (calls, bytes) for the metrics, where gradients travel in DDP's buckets."""
-    return {"allreduce_calls": calls, "allreduce_bytes": nbytes} if model.all_reduces_buckets else {}
 
 
 def evaluation_due(cfg: RunConfig, kit: ModelKit, step: int) -> bool:
@@ -6295,6 +6289,14 @@ def loss_figure(plt: object, cfg: RunConfig, history: list[dict[str, float]]) ->
 # storage once (DDP's gradients are views into its buckets; tied weights are one tensor),
 # beside what the ZeRO paper's arithmetic predicts for this strategy and world size N.
 # Activations and temporary buffers are not state: they show in the peak.
+
+
+def stage_of(name: str, n_layers: int, stages: int) -> int:
+    """The stage that holds parameter `name`: its block's; the embeddings the first's, the rest the last's."""
+    if name.startswith("blocks."):
+        block = int(name.split(".")[1])
+        return next(s for s in range(stages) if block in stage_blocks(s, n_layers, stages))
+    return 0 if name.startswith(("tok_emb", "pos_emb")) else stages - 1
 
 
 def predict_memory(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
@@ -7142,8 +7144,7 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
     if cfg.merge_lora is not None:  # from the adapters just saved, whatever the layout that trained them
         outputs.append(rank0_writes(d, "the merged model", lambda: merge_adapters(cfg, outputs[0])))
     if cfg.plot:
-        history = progress.history
-        draw = functools.partial(loss_figure, cfg=cfg, history=history)
+        draw = functools.partial(loss_figure, cfg=cfg, history=progress.history)
         outputs.append(
             rank0_then_share(d, "could not write the loss plot", lambda: write_figure(cfg, "loss.png", draw))
         )
@@ -7153,10 +7154,8 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
         outputs.append(
             rank0_then_share(d, "could not draw the timeline", lambda: write_figure(cfg, "timeline.png", draw))
         )
-    write_memory = functools.partial(
-        atomic_write, cfg.output_dir / "memory.json", json.dumps(hooks.memory, indent=1).encode()
-    )
-    rank0_then_share(d, "could not write memory.json", write_memory)
+    memory = json.dumps(hooks.memory, indent=1).encode()
+    rank0_then_share(d, "could not write memory.json", lambda: atomic_write(cfg.output_dir / "memory.json", memory))
     outputs = [p for p in [*outputs, cfg.output_dir / "memory.json"] if p]
     if d.is_main:
         kit.model.eval()
@@ -7300,6 +7299,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = d = None
     try:
         cfg = parse_args(argv)
+        if cfg.merge_lora or cfg.chat:  # Ctrl-C as Python has it: cleaned up after (a merge), the talk ended (--chat)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         if cfg.merge_lora:  # an adapter folder given: merge it, and nothing else
             OUTPUT_LOCK.hold(cfg.output_dir)
             try:
