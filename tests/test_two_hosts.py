@@ -40,8 +40,8 @@ def runs(tmp_path_factory):
         rejoin = [*FLAGS, "--output-dir", str(root / "rejoined")]
         own = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # else host B's new agent waits (the [nodes] warning)
         elastic = [back.torchrun(node, 1, rejoin, own, max_restarts=1) for node in (0, 1)]
-        unplugged = [severed.torchrun(node, 1, [*FLAGS, "--timeout-s", str(TIMEOUT_S), "--output-dir",
-                                                str(root / "link-down")]) for node in (0, 1)]  # fmt: skip
+        unplugged_args = [*FLAGS, "--timeout-s", str(TIMEOUT_S), "--output-dir", str(root / "link-down")]
+        unplugged = [severed.torchrun(node, 1, unplugged_args) for node in (0, 1)]
         trained = [good.torchrun(node, 2, [*FLAGS, "--output-dir", str(root / "two-hosts")]) for node in (0, 1)]
         # Host A is the rendezvous host but no host passes --local-addr: torchrun tells the ranks to meet at
         # A's name, which each host resolves to its own loopback address (multi-host.md).
@@ -82,10 +82,16 @@ def runs(tmp_path_factory):
             severed.hosts[1].address,
         )
         restarted = [killed.torchrun(node, 1, again) for node in (0, 1)]  # both hosts again, the same commands
+        # What host A left, read before the same commands run again (they keep only the newest checkpoints).
+        results["link-down checkpoint"] = t.read_checkpoint(root / "link-down" / "checkpoints" / "step_00000010")
+        severed.kill(1)  # host B's agent, cut off from the store, waits on; with its link back, both start again
+        ip("-n", severed.hosts[1].namespace, "link", "set", severed.hosts[1].link, "up")
+        relinked = [severed.torchrun(node, 1, unplugged_args) for node in (0, 1)]
         one_host = run_jobs({name: [*FLAGS, *extra, "--output-dir", str(root / name)] for name, extra in
                              (("one-host", []), ("one-host-tp", ["--tp", "2"]))}, nproc=4)  # fmt: skip
         one_host |= run_jobs({"one-host-2": [*FLAGS, "--output-dir", str(root / "one-host-2")]}, nproc=2)
-        results |= {"restarted": finish(restarted, 240), "two hosts": finish(trained, 240)}
+        results |= {"restarted": finish(restarted, 240), "relinked": finish(relinked, 240)}
+        results["two hosts"] = finish(trained, 240)
         # Tensor parallelism inside each host (a tensor-parallel pair is two neighbouring ranks), data parallelism
         # across them: the layout as it is run in practice.
         split = [good.torchrun(node, 2, [*FLAGS, "--tp", "2", "--output-dir", str(root / "tp")], max_restarts=1)
@@ -170,7 +176,7 @@ def test_under_max_restarts_a_host_that_comes_back_rejoins_and_the_job_goes_on_f
 
 
 def test_a_link_taken_down_is_noticed_at_timeout_s_and_named_and_the_last_checkpoint_stays(runs):
-    results, _, root = runs
+    results, _, _ = runs
     code, output = results["link down"]
     assert code == 1, output
     said = [line for line in output.splitlines() if line.startswith("error: rank ")]
@@ -178,7 +184,16 @@ def test_a_link_taken_down_is_noticed_at_timeout_s_and_named_and_the_last_checkp
     assert len(said) == 1 and all(f"did not answer within --timeout-s {TIMEOUT_S}" in line for line in said), said
     assert all("node 1 (" in line and named in line for line in said), said
     assert results["link down after s"] < TIMEOUT_S + 30, "the bound: --timeout-s plus at most 30 s"
-    assert t.read_checkpoint(root / "link-down" / "checkpoints" / "step_00000010")["progress"]["step"] == 10
+    assert results["link-down checkpoint"]["progress"]["step"] == 10
+
+
+def test_with_the_link_back_the_same_commands_resume_bitwise(runs):
+    results, _, root = runs
+    for code, output in results["relinked"]:
+        assert code == 0, output
+    resumed = "".join(out for _, out in results["relinked"])
+    assert "[resume] continuing from" in resumed and "step_00000010 (step 10" in resumed, resumed
+    assert_bitwise_equal(weights(root / "link-down"), weights(root / "one-host-2"), "resumed after the link was down")
 
 
 def test_a_socket_interface_this_host_does_not_have_is_refused_in_one_line(monkeypatch):
