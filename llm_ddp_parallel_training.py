@@ -82,7 +82,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if __name__ == "__main__":  # Ctrl-C in the seconds the imports below take, or before training: nothing to save yet,
-    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))  # so a shell's 130, no traceback (StopSignals)
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))  # so a shell's 130, no traceback (StopRequest)
 
 import numpy as np
 import torch
@@ -2758,6 +2758,7 @@ def run_core(argv: list[str] | None = None) -> None:
         raise SystemExit(f"error: corpus file not found: {cfg.corpus_file} (core.py reads corpus.txt beside it)")
     torch.set_flush_denormal(True)  # denormal gradients (after ~100 steps) run in slow microcode on x86 CPUs
     d = setup_distributed(cfg)  # torchrun launched this process; it joins the others
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # training: Ctrl-C as Python has it, cleaned up after
     try:
         if d.is_main:
             print(f"[core] {d.world_size} process(es), backend {d.backend or 'none'} on {d.device}: {d.why}")
@@ -3149,7 +3150,7 @@ def launch_local_ranks(cfg: RunConfig, argv: list[str]) -> int:
         # Bad input: rank 0 said it in one line. Ctrl-C before training: the ranks ended quietly (130; -2 in start-up)
         if code != EXIT_USAGE and not (forwarded and code in (130, -signal.SIGINT)):
             print(f"error: rank {rank} failed first (exit code {code}); every rank has stopped", file=sys.stderr)
-        return code if code > 0 else 1
+        return code if code > 0 else 128 - code  # killed by a signal: a shell's code for it
     finally:
         for rank in ranks:
             if rank.poll() is None:
@@ -4790,8 +4791,7 @@ def causal_lm(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def decoder_body(model: nn.Module) -> nn.Module:
-    """The Transformer's body (Qwen2Model inside Qwen2ForCausalLM): its layers, without the output head."""
+def decoder_body(model: nn.Module) -> nn.Module:  # Qwen2Model inside Qwen2ForCausalLM: no output head
     lm = causal_lm(model)
     return getattr(lm, lm.base_model_prefix)
 
@@ -7299,7 +7299,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = d = None
     try:
         cfg = parse_args(argv)
-        if cfg.merge_lora or cfg.chat:  # Ctrl-C as Python has it: cleaned up after (a merge), the talk ended (--chat)
+        if (cfg.merge_lora or cfg.chat) and __name__ == "__main__":  # Ctrl-C as Python has it: the merge cleaned up
             signal.signal(signal.SIGINT, signal.default_int_handler)
         if cfg.merge_lora:  # an adapter folder given: merge it, and nothing else
             OUTPUT_LOCK.hold(cfg.output_dir)

@@ -373,6 +373,26 @@ def in_output_folder(
             print(f"outputs so far kept in {folder}", file=sys.stderr)
 
 
+def output_flags(p: argparse.ArgumentParser, also: str = "") -> None:
+    """--out DIR and --keep-outputs, which every benchmark takes and in_output_folder acts on."""
+    p.add_argument("--out", type=Path, default=None, metavar="DIR", help="write the runs' outputs and results.json "
+                   f"here, and keep them (default: a temp folder){also}")  # fmt: skip
+    p.add_argument(
+        "--keep-outputs",
+        action="store_true",
+        help="keep the temp folder (removed by default, also on failure or Ctrl-C) and print its path",
+    )
+
+
+def publish(text: str, table: Path | None, also: str = "") -> None:
+    """A benchmark's report: printed, and written to `table` where one is named."""
+    print("\n" + text)
+    if table:
+        table.parent.mkdir(parents=True, exist_ok=True)
+        table.write_text(text)
+        print(f"table: {table}{also}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -382,18 +402,7 @@ def main() -> None:
         "its numbers mean nothing",
     )
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="write the runs' outputs and results.json here, and keep them (default: a temp folder)",
-    )
-    p.add_argument(
-        "--keep-outputs",
-        action="store_true",
-        help="keep the temp folder (removed by default, also on failure or Ctrl-C) and print its path",
-    )
+    output_flags(p)
     p.add_argument(
         "--only",
         action="append",

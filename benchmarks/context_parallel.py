@@ -52,7 +52,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))  # also when it is loaded as a module, as a test does
-from benchmark import in_output_folder  # noqa: E402  (the temp-folder lifecycle, shared by the benchmarks)
+from benchmark import in_output_folder, output_flags, publish  # noqa: E402  (what the benchmarks share)
 from memory import MIB, machine, run_child, step_seconds, stop_children  # noqa: E402  (children killed by group)
 from parallelism import COMMON, RUN_TIMEOUT, relative, summary_row  # noqa: E402  (fp32 AdamW, every step logged)
 
@@ -394,12 +394,7 @@ def measure(out: Path, smoke: bool, repeats: int, parts: Collection[str], ddps: 
     got = {"machine": host(), "loads": loads, "time": [r | {"run": r["run"].__dict__} for r in rows],
            "memory": swept, "results": time_results + memory_results}  # fmt: skip
     (out / "results.json").write_text(json.dumps(got, indent=1))
-    text = relative(report(time_results, rows, memory_results, swept, smoke, loads), out)
-    print("\n" + text)
-    if table:
-        table.parent.mkdir(parents=True, exist_ok=True)
-        table.write_text(text)
-        print(f"table: {table}")
+    publish(relative(report(time_results, rows, memory_results, swept, smoke, loads), out), table)
     return got
 
 
@@ -418,19 +413,7 @@ def main() -> None:
         choices=DDPS,
         help="the step-time runs' --ddp, repeatable (default: torch; `--ddp manual` is bitwise equal to it)",
     )
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="write the runs' outputs and results.json here, and keep them (default: a temp folder); "
-        "with --smoke or --only the table goes here too",
-    )
-    p.add_argument(
-        "--keep-outputs",
-        action="store_true",
-        help="keep the temp folder (removed by default, also on failure or Ctrl-C) and print its path",
-    )
+    output_flags(p, "; with --smoke or --only the table goes here too")
     args = p.parse_args()
     parts = (args.only,) if args.only else PARTS
     ddps = tuple(d for d in DDPS if d in (args.ddp or ["torch"]))

@@ -56,7 +56,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))  # also when it is loaded as a module, as a test does
-from benchmark import in_output_folder  # noqa: E402  (the temp-folder lifecycle: one, for both benchmarks)
+from benchmark import in_output_folder, output_flags, publish  # noqa: E402  (what the benchmarks share)
 
 SCRIPT = REPO / "llm_ddp_parallel_training.py"
 TINY_QWEN = REPO / "tests" / "tiny_qwen.py"
@@ -542,19 +542,7 @@ def main() -> None:
         "checks the harness (its numbers mean nothing)",
     )
     p.add_argument("--repeats", type=int, default=3, help="rounds of the goal's runs (tiny model, 2 ranks)")
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="write the runs' outputs and results.json here, and keep them (default: a temp folder); "
-        "with --smoke the table and figure go here too",
-    )
-    p.add_argument(
-        "--keep-outputs",
-        action="store_true",
-        help="keep the temp folder (removed by default, also on failure or Ctrl-C) and print its path",
-    )
+    output_flags(p, "; with --smoke the table and figure go here too")
     args = p.parse_args()
 
     def work(out: Path, removed: bool) -> None:
@@ -596,12 +584,7 @@ def measure(out: Path, smoke: bool, repeats: int, table: Path | None, figure: Pa
     (out / "results.json").write_text(json.dumps({"machine": machine(), "results": results}, indent=1))
     if figure:
         draw(results, figure)
-    text = report(results, commands, out, kept, smoke, figure)
-    print("\n" + text)
-    if table:
-        table.parent.mkdir(parents=True, exist_ok=True)
-        table.write_text(text)
-        print(f"table: {table}" + (f"\nfigure: {figure}" if figure else ""))
+    publish(report(results, commands, out, kept, smoke, figure), table, f"\nfigure: {figure}" if figure else "")
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))  # also when it is loaded as a module, as a test does
-from benchmark import in_output_folder  # noqa: E402  (the temp-folder lifecycle, shared by the benchmarks)
+from benchmark import in_output_folder, output_flags, publish  # noqa: E402  (what the benchmarks share)
 from memory import machine, run_child, step_seconds, stop_children  # noqa: E402  (children killed by group)
 
 SCRIPT = REPO / "llm_ddp_parallel_training.py"
@@ -422,12 +422,7 @@ def measure(out: Path, smoke: bool, repeats: int, only: Collection[str], table: 
     summary = summarise(results, smoke)
     got = {"machine": machine(), "loads": loads, "summary": summary, "results": results}
     (out / "results.json").write_text(json.dumps(got, indent=1))
-    text = relative(report(results, summary, smoke, loads), out)
-    print("\n" + text)
-    if table:
-        table.parent.mkdir(parents=True, exist_ok=True)
-        table.write_text(text)
-        print(f"table: {table}")
+    publish(relative(report(results, summary, smoke, loads), out), table)
     return got
 
 
@@ -447,19 +442,7 @@ def main() -> None:
         help=f"measure only this layout (and DDP, the reference); repeatable (default: {', '.join(SPLITS)}; "
         f"{' and '.join(SHARDINGS)} only when named)",
     )
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="write the runs' outputs and results.json here, and keep them (default: a temp folder); "
-        "with --smoke or --only the table goes here too",
-    )
-    p.add_argument(
-        "--keep-outputs",
-        action="store_true",
-        help="keep the temp folder (removed by default, also on failure or Ctrl-C) and print its path",
-    )
+    output_flags(p, "; with --smoke or --only the table goes here too")
     args = p.parse_args()
     only = set(args.only or SPLITS)
 

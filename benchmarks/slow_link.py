@@ -63,7 +63,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO / "tests"))
-from benchmark import SMOKE_MODEL, TINY_MODEL, in_output_folder, tiny_model  # noqa: E402
+from benchmark import SMOKE_MODEL, TINY_MODEL, in_output_folder, output_flags, publish, tiny_model  # noqa: E402
 from memory import machine, step_seconds  # noqa: E402
 from two_hosts import Host, TwoHosts, finish, missing  # noqa: E402
 
@@ -407,22 +407,14 @@ def report(got: dict, smoke: bool) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="the plan at toy sizes, 3 steps a run: checks the harness")
-    p.add_argument("--out", type=Path, default=None, metavar="DIR",
-                   help="write the runs' outputs and results.json here, and keep them (default: a temp folder); "
-                   "with --smoke the table goes here too")  # fmt: skip
-    p.add_argument("--keep-outputs", action="store_true", help="keep the temp folder and print its path")
+    output_flags(p, "; with --smoke the table goes here too")
     args = p.parse_args()
     if why := missing() or (None if shutil.which("tc") else "needs the `tc` command (iproute2)"):
         raise SystemExit(f"benchmarks/slow_link.py {why}")
 
     def work(out: Path, removed: bool) -> None:
         got = measure(out, args.smoke)
-        text = report(got, args.smoke)
-        table = (out / TABLE.name if args.out else None) if args.smoke else TABLE
-        print("\n" + text)
-        if table:
-            table.write_text(text)
-            print(f"written: {table}")
+        publish(report(got, args.smoke), (out / TABLE.name if args.out else None) if args.smoke else TABLE)
         traced = next((r["timeline"] for r in got["runs"] if r["timeline"]), None)
         if traced and not args.smoke:
             if os.path.getsize(traced) <= TIMELINE_MAX_BYTES:

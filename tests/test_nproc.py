@@ -70,24 +70,24 @@ def test_ctrl_c_to_the_nproc_launcher_stops_every_rank_with_a_checkpoint(tmp_pat
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_ctrl_c_while_the_ranks_start_ends_them_quietly_and_leaves_nothing(tmp_path):
-    # A terminal's Ctrl-C reaches the launcher and its ranks at once (one process group), here while a rank imports
-    # torch (seconds; it has mapped torch's library): no rank's traceback, no "failed first", no folder; exit 130.
+    # A terminal's Ctrl-C reaches the launcher and its ranks at once (one process group), here while the ranks import
+    # torch (seconds; each has mapped torch's library): no rank's traceback, no "failed first", no folder; exit 130.
     # (In the milliseconds before Python has started, Python's own "Fatal Python error" would still show.)
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, str(t.__file__), *TINY, "--nproc", "2", "--output-dir", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
                             start_new_session=True)  # fmt: skip
 
-    def a_rank_imports_torch() -> bool:
+    def both_ranks_import_torch() -> bool:
         try:
             ranks = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-            return any("libtorch" in Path(f"/proc/{rank}/maps").read_text() for rank in ranks)
+            return len(ranks) == 2 and all("libtorch" in Path(f"/proc/{rank}/maps").read_text() for rank in ranks)
         except OSError:  # a process that has just ended
             return False
 
     try:
         started = time.monotonic()
-        while not a_rank_imports_torch():
+        while not both_ranks_import_torch():
             assert proc.poll() is None and time.monotonic() < started + 120, "no rank started"
             time.sleep(0.01)
         os.killpg(proc.pid, signal.SIGINT)
