@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import glob
+import io
 import itertools
 import json
 import os
@@ -264,12 +265,11 @@ def test_chat_on_what_holds_no_model_is_refused_in_one_line(runs, path, refusal,
     assert ended.value.code == 2 and len(errors) == 1 and refusal in errors[0], errors
 
 
-def test_chat_answers_lines_piped_in_turn_by_turn(runs):
+def test_chat_answers_lines_piped_in_turn_by_turn(runs, monkeypatch, capsys):
     _, root = runs
-    args = [sys.executable, str(SCRIPT), "--chat", str(root / "plain" / "tiny_transformer.pt"), "--cpu"]
-    talk = subprocess.run(args, input="The rank\nAll ranks\n", capture_output=True, text=True, timeout=120,
-                          env=child_env())  # fmt: skip
-    assert talk.returncode == 0 and talk.stdout.count("model> ") == 2, talk
+    monkeypatch.setattr(sys, "stdin", io.StringIO("The rank\nAll ranks\n"))  # a pipe: no terminal, lines, an end
+    shown = chat(["--chat", str(root / "plain" / "tiny_transformer.pt"), "--cpu"], capsys)
+    assert shown.count("model> ") == 2, shown
 
 
 @pytest.mark.parametrize("folder", ["qwen_lora", "merged"])

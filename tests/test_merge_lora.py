@@ -71,10 +71,12 @@ def test_the_merged_folder_loads_with_no_peft_installed(trained):
     assert loaded.stdout.split() == ["Qwen2ForCausalLM", "True"]
 
 
-def test_an_adapter_folder_merges_alone_without_training(trained, tmp_path):
+def test_an_adapter_folder_merges_alone_without_training(trained, tmp_path, monkeypatch, capsys):
+    # main() in this process (run_main): the merge is one process's work, and a launch of its own costs seconds.
     _, out = trained
-    alone = launch(["--merge-lora", str(out / "qwen_lora"), "--output-dir", str(tmp_path / "alone")], timeout=120)
-    assert_ok(alone)
+    alone = run_main(["--merge-lora", str(out / "qwen_lora"), "--output-dir", str(tmp_path / "alone")], monkeypatch,
+                     capsys)  # fmt: skip
+    assert alone.returncode == 0, alone.stderr
     assert alone.stdout.strip() == f"[save] the merged model: {tmp_path / 'alone' / 'merged'}"
     saved = (tmp_path / "alone" / "merged" / "model.safetensors").read_bytes()
     assert saved == (out / "merged" / "model.safetensors").read_bytes(), "the same merge as at the run's end"
