@@ -2937,7 +2937,7 @@ def config_words(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     for key, value in settings.items():
         if (action := actions.get(str(key).replace("_", "-"))) is None:
             close = get_close_matches(str(key).replace("_", "-"), list(actions), 1)
-            meant = f"; did you mean {close[0]}?" if close else ""
+            meant = f"; did you mean {close[0].replace('-', '_') if '_' in str(key) else close[0]}?" if close else ""
             raise UsageError(f"--config {path}: unknown setting {key}{meant}")
         flag = action.option_strings[0]
         switch = action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction)
@@ -3742,8 +3742,7 @@ def message_ranges(
     roles = tuple(role for role, _ in turns)
     if roles not in masking.marked:
         masking.marked[roles] = render_chat(tuple(zip(roles, marks, strict=True)), tokenizer)
-    marked = masking.marked[roles]
-    ranges, at, rest = [], 0, marked
+    ranges, at, rest = [], 0, masking.marked[roles]
     for (_, content), mark in zip(turns, marks, strict=True):
         template, found, rest = rest.partition(mark)
         shown = next((c for c in (content, content.strip()) if found and full.startswith(template + c, at)), None)
@@ -6917,6 +6916,9 @@ def choose_checkpoint(cfg: RunConfig, settings: dict, final_name: str) -> dict |
         state = read_checkpoint(folder)
     check_same_run(state, settings, folder)
     step = state["progress"]["step"]
+    if step >= cfg.max_steps and (cfg.output_dir / final_name).exists():  # the same command again, after the end
+        say(f"[resume] {folder} is this run's last step and its model is saved: nothing to do")
+        return state | {"finished": True}
     newest = " the newest complete checkpoint" if mode == "auto" else ""
     say(f"[resume] continuing from {folder} (step {step},{newest})".replace(",)", ")"))
     retire_newer_checkpoints(cfg, step)
@@ -7097,8 +7099,7 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
     else:
         held = held_out(len(corpus), cfg.val_fraction, cfg.seed)
         training, val = corpus.subset(~held), corpus.subset(held)
-    build_kit = build_pretrained_kit if cfg.model == "hf" else tiny_kit
-    kit = build_kit(cfg, d, training, val)
+    kit = (build_pretrained_kit if cfg.model == "hf" else tiny_kit)(cfg, d, training, val)
     # Initialisation used --seed alone: the replicas start identical. Dropout must not: W ranks
     # dropping the same units of their different examples is not one process with a W-times batch.
     # A tensor-parallel group's ranks compute one replica's activations together: one seed for them.
@@ -7116,10 +7117,15 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
     if warmup_note := describe_warmup(cfg):
         log(d, warmup_note)
 
+    def figure(name: str, draw: Callable[[object], object]) -> Path | None:  # rank 0 draws it; its failure ends all
+        return rank0_then_share(d, f"could not draw {name}", lambda: write_figure(cfg, name, draw))
+
     rank0_writes(d, "the outputs", lambda: prepare_outputs(cfg), error=UsageError)
     settings = run_settings(cfg, d, kit) if d.is_main else {}  # what a checkpoint must match to resume
     choose = functools.partial(choose_checkpoint, cfg, settings, kit.final_name)
     resume = rank0_then_share(d, "could not read the checkpoint", choose, UsageError)
+    if resume and resume.get("finished"):  # its outputs stay as the run left them
+        return
     if cfg.metrics_file:
         start = resume["progress"]["step"] if resume else 0
         rank0_writes(d, "the metrics file", lambda: prepare_metrics_file(cfg, start), error=UsageError)
@@ -7144,16 +7150,10 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
     if cfg.merge_lora is not None:  # from the adapters just saved, whatever the layout that trained them
         outputs.append(rank0_writes(d, "the merged model", lambda: merge_adapters(cfg, outputs[0])))
     if cfg.plot:
-        draw = functools.partial(loss_figure, cfg=cfg, history=progress.history)
-        outputs.append(
-            rank0_then_share(d, "could not write the loss plot", lambda: write_figure(cfg, "loss.png", draw))
-        )
+        outputs.append(figure("loss.png", functools.partial(loss_figure, cfg=cfg, history=progress.history)))
     outputs.append(trace_file)
     if cfg.plot and trace_file:
-        draw = functools.partial(timeline_figure, cfg=cfg, ranks=hooks.trace)
-        outputs.append(
-            rank0_then_share(d, "could not draw the timeline", lambda: write_figure(cfg, "timeline.png", draw))
-        )
+        outputs.append(figure("timeline.png", functools.partial(timeline_figure, cfg=cfg, ranks=hooks.trace)))
     memory = json.dumps(hooks.memory, indent=1).encode()
     rank0_then_share(d, "could not write memory.json", lambda: atomic_write(cfg.output_dir / "memory.json", memory))
     outputs = [p for p in [*outputs, cfg.output_dir / "memory.json"] if p]

@@ -42,7 +42,8 @@ def test_a_config_file_is_read_as_the_flags_are_with_their_ranges_and_refusals(t
 @pytest.mark.parametrize(
     ("text", "refusal"),
     [
-        ("max_stepz: 3\n", "unknown setting max_stepz; did you mean max-steps?"),
+        ("max_stepz: 3\n", "unknown setting max_stepz; did you mean max_steps?"),  # as the key was spelled
+        ("max-stepz: 3\n", "unknown setting max-stepz; did you mean max-steps?"),
         ("- max_steps\n", "expected one `name: value` line per setting"),
         ("max_steps: [3\n", "not YAML (while parsing a flow sequence"),
     ],

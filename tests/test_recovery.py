@@ -76,3 +76,15 @@ def test_sigterm_stops_every_rank_with_a_checkpoint_and_the_same_command_finishe
     assert_bitwise_equal(weights(uninterrupted), weights(tmp_path))
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps == list(range(1, 121)), "the metrics file holds every step exactly once"
+
+
+def test_the_same_command_after_the_run_has_finished_has_nothing_to_do_and_leaves_its_outputs(uninterrupted, tmp_path):
+    out = tmp_path / "copy"
+    shutil.copytree(uninterrupted, out)
+    outputs = [out / "memory.json", out / "tiny_transformer.pt"]
+    before = [path.read_bytes() for path in outputs]
+    again = run_jobs({"again": [*RUN, "--output-dir", str(out)]}, nproc=2)["again"]
+    assert_ok(again)
+    assert "is this run's last step and its model is saved: nothing to do" in again.stdout, again.stdout
+    assert not [line for line in again.stdout.splitlines() if line.startswith("step ")], "no step trained"
+    assert [path.read_bytes() for path in outputs] == before
