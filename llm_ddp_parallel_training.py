@@ -5749,16 +5749,16 @@ class SideWork(Hooks):
         return micro_loss * float("nan") if self.fault == "nan" else micro_loss
 
     def shared_votes(self) -> list[float]:
-        # Whether any rank was asked to stop (STOP), and whether rank 0's last metrics write failed.
-        return [STOP.signal is not None, self.reporter.failure is not None]
+        # Which stop signal this rank has seen (STOP), and whether rank 0's last metrics write failed.
+        return [STOP.signal == signal.SIGINT, STOP.signal == signal.SIGTERM, self.reporter.failure is not None]
 
     def should_stop(self, votes: list[float]) -> bool:
-        stop_votes, failed = votes
+        interrupts, terminations, failed = votes
         if failed:
             self.reporter.share_failure()
-        if stop_votes:
-            self.stopped_by = signal.Signals(STOP.signal).name if STOP.signal else "another rank's signal"
-        return bool(stop_votes)
+        if interrupts or terminations:  # named by every rank's votes: rank 0's own may not have arrived yet
+            self.stopped_by = "SIGTERM" if terminations else "SIGINT"
+        return bool(interrupts or terminations)
 
     def gradients_synced(self, step: int, model: Layout, named_params: list, sent: tuple[int, int],
                          local_loss_sum: torch.Tensor, micro_tokens: list[int]) -> None:  # fmt: skip
