@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import assert_ok, child_env, launch, run_jobs
+from conftest import assert_ok, child_env, run_jobs
 from in_process import run_main
 
 import llm_ddp_parallel_training as t
@@ -117,13 +117,16 @@ def test_an_adapter_folder_is_merged_by_one_process_only(trained):
     assert str(refused.value) == "--merge-lora ADAPTER_DIR runs as one process: leave out --nproc and torchrun"
 
 
-def test_an_adapter_whose_base_is_gone_fails_in_one_line_and_leaves_nothing(trained, tmp_path):
+def test_an_adapter_whose_base_is_gone_fails_in_one_line_and_leaves_nothing(trained, tmp_path, monkeypatch, capsys):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # no hub to ask, as in a launched run
     _, out = trained
     adapter = tmp_path / "adapter"
     shutil.copytree(out / "qwen_lora", adapter)
     config = json.loads((adapter / "adapter_config.json").read_text()) | {"base_model_name_or_path": "gone/base"}
     (adapter / "adapter_config.json").write_text(json.dumps(config))
-    failed = launch(["--merge-lora", str(adapter), "--output-dir", str(tmp_path / "nothing")], timeout=120)
+    failed = run_main(["--merge-lora", str(adapter), "--output-dir", str(tmp_path / "nothing")], monkeypatch, capsys)
     assert failed.returncode == 1
     assert failed.stderr.strip().startswith(f"error: could not merge {adapter}: ") and "\n" not in failed.stderr.strip()
     assert not (tmp_path / "nothing").exists(), "a failed merge leaves no folder behind"
