@@ -25,8 +25,8 @@ TEACHING_CORE_LINES = 1600  # the loop's end: after the settings, ranks, the byt
 # while ranks start ended quietly, 8, 4 of them above the banner (the core program gives Python's Ctrl-C back for
 # training), paid by inlining sent_in_buckets and two temporaries and by one decoder_body for two lookups (the file
 # grew by 1, within its ceiling), and in the core by moving stage_of and optimizer_state_tensors, used only below the
-# banner, there: the core fell by 10; a finished
-# run's same command having nothing to do, 5, paid by one figure() for the two plots and two temporaries);
+# banner, there: the core fell by 10; a finished run's same command having nothing to do, 5, paid by one figure()
+# for the two plots and two temporaries);
 # issue 36, at most 120 below the banner: two hosts, a lost host or link, 107; the --max-restarts warning 4;
 # issue 37, at most 350, 200 of them above the banner: --cp, context parallelism by ring attention, 198, 180 above;
 # the memory table's activations 26; FSDP over the dp x cp ranks 3, above; --inspect's mesh place and positions, and
