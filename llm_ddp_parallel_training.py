@@ -945,21 +945,23 @@ def wrap_data_parallel(model: nn.Module, cfg: RunConfig, d: Dist, stats: CommSta
         # Buffers never change here (rotary frequencies are fixed): nothing to re-send (renamed in torch 2.13)
         **{"forward_sync_buffers" if "forward_sync_buffers" in DDP_TAKES else "broadcast_buffers": False},
     )
-    ddp.register_comm_hook(stats, counting_allreduce_hook)
+    ddp.register_comm_hook((ddp.process_group, stats), counting_allreduce_hook)
     ddp.split = split or ModelSplit()
     return ddp
 
 
-def counting_allreduce_hook(stats, bucket):  # no annotations: DDP checks them, and rejects strings
-    """torch DDP's own all-reduce, after writing the bucket down; with compression, torch's bf16 hook
-    (each gradient rounded by up to 2^-9 of itself before the sum: docs/gradients.md)."""
+def counting_allreduce_hook(state, bucket):  # no annotations: DDP checks them, and rejects strings
+    """torch DDP's own all-reduce over DDP's group (state: that group, and the run's CommStats), after writing
+    the bucket down; with compression, torch's bf16 hook (each gradient rounded by up to 2^-8 of itself before
+    the sum: docs/gradients.md). Given None, torch's hooks would reduce over every rank, whatever DDP's group."""
+    group, stats = state
     buffer = bucket.buffer()
     wire_bytes = buffer.numel() * (2 if stats.compress else buffer.element_size())
     stats.record(bucket.index(), wire_bytes, bucket.parameters(), bucket.gradients())
     if stats.compress:
-        future = default_hooks.bf16_compress_hook(None, bucket)
+        future = default_hooks.bf16_compress_hook(group, bucket)
     else:
-        future = default_hooks.allreduce_hook(None, bucket)
+        future = default_hooks.allreduce_hook(group, bucket)
     wire_dtype = torch.bfloat16 if stats.compress else buffer.dtype
     args = {"bucket": bucket.index(), "bytes": wire_bytes, "dtype": str(wire_dtype).removeprefix("torch.")}
     return stats.traced(future, "all-reduce", args)
@@ -1313,12 +1315,14 @@ def loss_scale(cfg: RunConfig, d: Dist, micro_tokens: int, global_tokens: float)
       gradient is exactly that of sum(every token loss) / global_tokens: the mean over every
       target token of the global batch, whatever the split across ranks and micro-steps. (Under
       model splitting DDP averages over the ranks holding the same weights only: d.replicas.)
-    mean-of-means: 1 / (micro_tokens * k). Each micro-batch's own mean, averaged over micro-steps
-      and then over ranks: a token in a short micro-batch weighs more than one in a long one.
+    mean-of-means: 1 / (micro_tokens * k), micro_tokens the replica's own. Each micro-batch's own
+      mean, averaged over micro-steps and then over replicas: a token in a short micro-batch weighs
+      more than one in a long one. (Under --cp a replica's d.replicas / d.dp ranks each hold part of
+      its loss and are averaged with the rest: each adds its part to the replica's mean.)
     """
     if cfg.loss_normalization == "global-tokens":
         return d.replicas / global_tokens
-    return 1.0 / (micro_tokens * cfg.grad_accum_steps)
+    return d.replicas / d.dp / (micro_tokens * cfg.grad_accum_steps)
 
 
 def global_grad_norm(own: list[torch.Tensor], alike: list[torch.Tensor], group: object) -> torch.Tensor:
@@ -1490,7 +1494,8 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, hooks: Hooks | None = None) ->
     while progress.step < cfg.max_steps:
         step, started = progress.step + 1, time.perf_counter()
         hooks.begin_step(step)
-        cpu_batches = [model.split.own_part(batch) for batch in next(stream)]  # under --cp: this rank's tokens
+        batches = next(stream)  # the replica's micro-batches, whole
+        cpu_batches = [model.split.own_part(batch) for batch in batches]  # under --cp: this rank's tokens
         # Count target tokens while the batch is still on the CPU: on a GPU it would be a sync.
         micro_tokens = [int((batch[1] != IGNORE_INDEX).sum()) for batch in cpu_batches]
         micro_batches = [tuple(t.to(d.device, non_blocking=True) for t in batch) for batch in cpu_batches]
@@ -1506,7 +1511,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, hooks: Hooks | None = None) ->
             group["lr"] = lr
         # Forward and backward for each micro-batch (Layout.forward_backward: k-1 inside no_sync(), the
         # last one's backward all-reducing the sum), or through a pipeline's schedule (Pipeline).
-        scales = [loss_scale(cfg, d, n, global_tokens) for n in micro_tokens]
+        scales = [loss_scale(cfg, d, int((b[1] != IGNORE_INDEX).sum()), global_tokens) for b in batches]
         loss_sum = model.forward_backward(micro_batches, scales, micro)
         model.finish_gradient_sync()
         hooks.mark("sync")
@@ -2918,7 +2923,9 @@ def config_words(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     """The settings of --config FILE as command-line words, to stand before the command line's own."""
     pre = _Parser(add_help=False)
     pre.add_argument("--config", type=Path)
-    if (path := pre.parse_known_args(argv)[0].config) is None:
+    pre.add_argument("--output-dir", type=Path)
+    typed = pre.parse_known_args(argv)[0]
+    if (path := typed.config) is None:
         return []
     try:
         import yaml
@@ -2933,12 +2940,16 @@ def config_words(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     if not isinstance(settings, dict):
         raise UsageError(f"--config {path}: expected one `name: value` line per setting")
     actions = {a.dest.replace("_", "-"): a for a in parser._actions if a.dest not in ("help", "config")}
+    if unknown := [str(key) for key in settings if str(key).replace("_", "-") not in actions]:
+        named = ", ".join(nearest_setting(list(actions), key) for key in unknown)
+        raise UsageError(f"--config {path}: unknown setting{'s' * (len(unknown) > 1)} {named}")
+    # A repeat into another folder (--config OLD/config.yaml --output-dir NEW) writes there all it wrote in OLD.
+    moved = typed.output_dir and settings.get("output_dir", settings.get("output-dir"))
     words = []
     for key, value in settings.items():
-        if (action := actions.get(str(key).replace("_", "-"))) is None:
-            close = get_close_matches(str(key).replace("_", "-"), list(actions), 1)
-            meant = f"; did you mean {close[0].replace('-', '_') if '_' in str(key) else close[0]}?" if close else ""
-            raise UsageError(f"--config {path}: unknown setting {key}{meant}")
+        action = actions[str(key).replace("_", "-")]
+        if moved and action.type is Path and value and Path(value).resolve().is_relative_to(Path(moved).resolve()):
+            value = typed.output_dir / Path(value).resolve().relative_to(Path(moved).resolve())
         flag = action.option_strings[0]
         switch = action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction)
         if switch and value is not None and not isinstance(value, bool):  # "no" would read as on
@@ -2950,10 +2961,23 @@ def config_words(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
         elif value is not None:
             words += [flag, ",".join(map(str, value)) if isinstance(value, list) else str(value)]
     try:  # each value read alone first, so that a bad one is blamed on the file, not on the command line
-        parser.parse_args(words)
+        check_model_flags(parser, words, parser.parse_args(words))
     except UsageError as e:
         raise UsageError(f"--config {path}: {str(e).removeprefix('argument ')}") from None
     return words
+
+
+# What other trainers call a setting (transformers' TrainingArguments, TRL): a file written for one is told our name.
+SETTING_ALIASES = {"learning_rate": "lr", "per_device_train_batch_size": "batch_size", "num_train_epochs": "epochs",
+                   "gradient_accumulation_steps": "grad_accum_steps", "max_grad_norm": "grad_clip",
+                   "max_seq_length": "seq_len", "lora_target_modules": "lora_targets"}  # fmt: skip
+
+
+def nearest_setting(known: list[str], key: str) -> str:
+    """An unknown key, with the setting it most likely meant spelled as the key was (max_steps or max-steps)."""
+    meant = SETTING_ALIASES.get(key.replace("-", "_"), "").replace("_", "-") or next(
+        iter(get_close_matches(key.replace("_", "-"), known, 1)), None)  # fmt: skip
+    return f"{key} (did you mean {meant.replace('-', '_') if '_' in key else meant}?)" if meant else key
 
 
 def write_settings(cfg: RunConfig) -> Path | None:
@@ -3005,20 +3029,9 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     argv = [*config_words(parser, argv), *argv]  # the file's settings first: the command line overrides them
     args = parser.parse_args(argv)
     del args.config
-    args.model = MODEL_ALIASES.get(args.model, args.model)
-    # Each model's flags are refused with the other, which would ignore them, when the command line spells them out.
-    group, meant_for, ignored_by, fix = {
-        "tiny": (PRETRAINED_GROUP, "a pretrained model (--model hf)", "the tiny model", "add --model hf, or "),
-        "hf": (TINY_GROUP, "the tiny model (--model tiny)", "a pretrained model", ""),
-    }[args.model]
-    if given := flags_given(parser, argv, args, group):
-        is_, it = ("is", "it") if len(given) == 1 else ("are", "them")
-        raise UsageError(
-            f"{' and '.join([', '.join(given[:-1]), given[-1]] if len(given) > 1 else given)} {is_} for "
-            f"{meant_for}; {ignored_by} would ignore {it}: {fix}leave {it} out"
-        )
+    check_model_flags(parser, argv, args)
     typed = {word.split("=", 1)[0] for word in argv}
-    if args.eval_file and "--val-fraction" in typed:
+    if args.eval_file and args.val_fraction and "--val-fraction" in typed:  # (0 says what --eval-file does)
         raise UsageError("--eval-file holds the held-out data, and nothing is held out of the training data: leave "
                          "out --val-fraction")  # fmt: skip
     if args.chat and args.merge_lora is not None:
@@ -3061,6 +3074,21 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
             f"--prompt cannot be encoded as UTF-8 (character {e.start} is {e.object[e.start]!a})"
         ) from None
     return cfg
+
+
+def check_model_flags(parser: argparse.ArgumentParser, argv: list[str], args: argparse.Namespace) -> None:
+    """Each model's flags are refused with the other, which would ignore them, when `argv` spells them out."""
+    args.model = MODEL_ALIASES.get(args.model, args.model)
+    group, meant_for, ignored_by, fix = {
+        "tiny": (PRETRAINED_GROUP, "a pretrained model (--model hf)", "the tiny model", "add --model hf, or "),
+        "hf": (TINY_GROUP, "the tiny model (--model tiny)", "a pretrained model", ""),
+    }[args.model]
+    if given := flags_given(parser, argv, args, group):
+        is_, it = ("is", "it") if len(given) == 1 else ("are", "them")
+        raise UsageError(
+            f"{' and '.join([', '.join(given[:-1]), given[-1]] if len(given) > 1 else given)} {is_} for "
+            f"{meant_for}; {ignored_by} would ignore {it}: {fix}leave {it} out"
+        )
 
 
 def flags_given(parser: argparse.ArgumentParser, argv: list[str], args: argparse.Namespace, title: str) -> list[str]:
@@ -7178,7 +7206,7 @@ def sample_prompts(cfg: RunConfig, chat: bool, held: np.ndarray | None) -> list[
     picks = (np.arange(3) if held is None else np.flatnonzero(held)[:3]) if chat else []
     source = replace(cfg, corpus_file=cfg.eval_file, dataset=None) if cfg.eval_file else cfg
     records = first_records(source, int(picks[-1]) + 1) if len(picks) else []
-    users = [next((t for role, t in records[i].messages or () if role == "user"), None) for i in picks]
+    users = [next((t for role, t in records[i].messages or () if role == "user"), None) for i in picks[: len(records)]]
     return [cfg.prompt, *filter(None, users)]
 
 

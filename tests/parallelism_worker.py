@@ -193,7 +193,36 @@ def tp_replicas(args: list[str], d: t.Dist) -> int:
         t.train = train
 
 
+def ddp_on_a_sub_group(args: list[str], d: t.Dist) -> int:
+    """TorchDDP built on a 2-rank sub-group of the 4 ranks, its buckets through the script's counting hook (plain
+    and bf16): each rank's gradient must be its own pair's average. Reports the largest gap to that average, and
+    to every rank's, per hook."""
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group, in the same order
+    facts = {}
+    for compress in (False, True):
+        torch.manual_seed(0)
+        model, alone = nn.Linear(8, 4), nn.Linear(8, 4)
+        alone.load_state_dict(model.state_dict())
+        ddp = t.TorchDDP(model, process_group=pairs[d.rank // 2])
+        ddp.register_comm_hook((ddp.process_group, t.CommStats(model, compress)), t.counting_allreduce_hook)
+        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(10 + d.rank))
+        ddp(x).square().sum().backward()
+        alone(x).square().sum().backward()
+        local = [torch.empty_like(alone.weight.grad) for _ in range(d.world_size)]
+        dist.all_gather(local, alone.weight.grad)
+        mine = torch.stack(local[d.rank // 2 * 2 :][:2])
+        gap, every = (model.weight.grad - mine.mean(0)).abs(), (model.weight.grad - torch.stack(local).mean(0)).abs()
+        facts["bf16" if compress else "plain"] = {
+            "to the pair's": gap.max().item(),
+            "to every rank's": every.max().item(),
+            "relative to the pair's sizes": (gap / mine.abs().sum(0)).max().item(),
+        }
+    measured(facts)
+    return 0
+
+
 PROBES: dict[str, Callable[[list[str], t.Dist], int]] = {
+    "ddp sub-group": ddp_on_a_sub_group,
     "tp float64": tensor_parallel_float64,
     "pp float64": pipeline_float64,
     "dropout rule": dropout_rule,

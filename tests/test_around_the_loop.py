@@ -237,9 +237,16 @@ def test_chat_answers_a_prompt_from_a_tiny_checkpoint_the_same_for_the_same_seed
     assert other != first
 
 
+def test_samples_come_from_an_eval_file_of_fewer_conversations_than_three(tmp_path):
+    held = write_jsonl(tmp_path / "held.jsonl", [conversation(u, "Rank 0.") for u in USERS[:2]])
+    cfg = t.parse_args(["--model", "hf", "--corpus-file", held, "--eval-file", held, "--prompt", "Hi"])
+    assert t.sample_prompts(cfg, True, None) == ["Hi", *USERS[:2]]
+
+
 def test_flags_that_one_another_would_silently_drop_are_refused_in_one_line(tmp_path):
     with pytest.raises(t.UsageError, match=r"^--eval-file holds the held-out data, .*: leave out --val-fraction$"):
         t.parse_args(["--eval-file", str(tmp_path / "held.txt"), "--val-fraction", "0.2"])
+    assert t.parse_args(["--eval-file", str(tmp_path / "held.txt"), "--val-fraction", "0"]).eval_file  # says the same
     with pytest.raises(t.UsageError, match=r"^--chat trains and merges nothing: merge first, then --chat OUTPUT_DIR"):
         t.parse_args(["--chat", str(tmp_path), "--model", "hf", "--merge-lora"])
 

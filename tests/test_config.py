@@ -4,6 +4,7 @@ starts and which --config takes back to repeat the run bit for bit (a refused ru
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import fields, replace
 from pathlib import Path
@@ -42,8 +43,14 @@ def test_a_config_file_is_read_as_the_flags_are_with_their_ranges_and_refusals(t
 @pytest.mark.parametrize(
     ("text", "refusal"),
     [
-        ("max_stepz: 3\n", "unknown setting max_stepz; did you mean max_steps?"),  # as the key was spelled
-        ("max-stepz: 3\n", "unknown setting max-stepz; did you mean max-steps?"),
+        ("max_stepz: 3\n", "unknown setting max_stepz (did you mean max_steps?)"),  # as the key was spelled
+        ("max-stepz: 3\n", "unknown setting max-stepz (did you mean max-steps?)"),
+        # every unknown key at once, each with the nearest setting; TrainingArguments' names with ours
+        (
+            "learning_rate: 1e-4\nlora_rank: 16\nseq_len: 64\nzzz: 1\n",
+            "unknown settings learning_rate (did you mean lr?), lora_rank (did you mean lora_r?), zzz$",
+        ),
+        ("model: hf\ndropout: 0.1\n", "--dropout 0.1 is for the tiny model (--model tiny)"),  # blamed on the file
         ("- max_steps\n", "expected one `name: value` line per setting"),
         ("max_steps: [3\n", "not YAML (while parsing a flow sequence"),
     ],
@@ -52,7 +59,8 @@ def test_a_file_that_holds_no_settings_of_ours_is_refused_in_one_line(tmp_path, 
     path = settings(tmp_path, text)
     with pytest.raises(t.UsageError) as refused:
         t.parse_args(["--config", path])
-    assert str(refused.value).startswith(f"--config {path}: {refusal}") and "\n" not in str(refused.value)
+    assert re.match(re.escape(f"--config {path}: ") + re.escape(refusal).replace(r"\$", "$"), str(refused.value))
+    assert "\n" not in str(refused.value)
 
 
 def test_a_missing_config_file_is_refused_in_one_line(tmp_path):
@@ -91,6 +99,14 @@ def test_config_yaml_names_its_files_absolutely_so_it_repeats_the_run_from_any_f
     assert [again.corpus_file, again.output_dir, again.metrics_file] == [
         here / n for n in ("data.txt", "out", "m.jsonl")
     ]
+
+
+def test_a_repeat_into_another_folder_writes_there_what_the_first_run_wrote_in_its_own(tmp_path):
+    first = t.parse_args(["--output-dir", str(tmp_path / "m1"), "--metrics-file", str(tmp_path / "m1" / "m.jsonl"),
+                          "--eval-file", str(tmp_path / "held.txt")])  # fmt: skip
+    again = t.parse_args(["--config", str(t.write_settings(first)), "--output-dir", str(tmp_path / "m2")])
+    assert (again.output_dir, again.metrics_file) == (tmp_path / "m2", tmp_path / "m2" / "m.jsonl")
+    assert again.eval_file == (tmp_path / "held.txt").resolve()  # outside the first run's folder: as written
 
 
 @pytest.mark.parametrize(

@@ -36,6 +36,8 @@ SGD = [*TINY, "--n-layers", "2", "--batch-size", "2", "--grad-accum-steps", "2",
        "--grad-clip", "0", "--dropout", "0", "--max-steps", "12", "--save-every", "6", "--keep-last", "2",
        "--log-every", "6"]  # fmt: skip
 EXACT, FLOAT64 = 1e-6, 1e-12
+# Padded rows of different lengths: each micro-batch's mean weighs its tokens differently from the global mean.
+MEAN_OF_MEANS = ["--no-pack", "--loss-normalization", "mean-of-means"]
 
 
 def jobs_in(root: Path, jobs: dict[str, list[str]]) -> dict[str, list[str]]:
@@ -61,6 +63,8 @@ def two_ranks(root) -> dict[str, Run]:
         "dropout": [*SGD, "--cp", "2", "--dropout", "0.2", "--verify-sync", "1", "--max-steps", "4", "--no-pack",
                     "--inspect", "--trace-steps", "1"],
         "cp 3 on 2 ranks": [*TINY, "--cp", "3", "--seq-len", "60"],
+        "cp mean-of-means": [*SGD, *MEAN_OF_MEANS, "--cp", "2"],
+        "ddp mean-of-means": [*SGD, *MEAN_OF_MEANS],
         "ring": ["probe:ring float64"],
     }), 2, timeout=400)  # fmt: skip
 
@@ -73,6 +77,7 @@ def four_ranks(root) -> dict[str, Run]:
         "dp x cp zero-1": [*SGD, "--cp", "2", "--ddp", "manual", "--sharding", "optimizer"],
         "dp x cp fsdp": [*SGD, "--cp", "2", "--sharding", "full"],  # torch's fully_shard over the dp x cp ranks
         "dp x cp manual fsdp": [*SGD, "--cp", "2", "--sharding", "full", "--ddp", "manual"],
+        "dp x cp mean-of-means": [*SGD, *MEAN_OF_MEANS, "--cp", "2"],
         "tp x cp torch": [*SGD, "--cp", "2", "--tp", "2"],  # each slice's 2 ranks ring its own head
         "tp x cp manual": [*SGD, "--cp", "2", "--tp", "2", "--ddp", "manual"],
         "ring": ["probe:ring float64"],
@@ -83,6 +88,7 @@ def four_ranks(root) -> dict[str, Run]:
 def one_process(root, two_ranks) -> dict[str, Run]:
     return run_jobs(jobs_in(root, {
         "plain": SGD,
+        "plain mean-of-means": [*SGD, *MEAN_OF_MEANS],
         "cp resumed by one process": [*SGD, "--resume", str(checkpoint(root / "cp torch", 6))],
     }), None, timeout=300)  # fmt: skip
 
@@ -110,6 +116,16 @@ def test_cp_over_two_ranks_trains_the_weights_and_losses_of_one_process(two_rank
     assert diff < EXACT
     assert two_ranks[f"cp {which}"].losses()[:3] == one_process["plain"].losses()[:3]  # 4 decimals
     assert max(map(abs, np.subtract(held_out(split), held_out(plain)))) < EXACT  # under CP: each rank its tokens
+
+
+@pytest.mark.parametrize(("split", "reference"), [("cp", "plain"), ("dp x cp", "ddp")])
+def test_under_cp_mean_of_means_averages_each_replicas_mean_not_each_ranks_chunk(two_ranks, four_ranks, one_process,
+                                                                                 root, split, reference):  # fmt: skip
+    runs = {**two_ranks, **four_ranks, **one_process}
+    mine, theirs = (finished(runs, f"{name} mean-of-means", root) for name in (split, reference))
+    diff = max_difference(weights(theirs), weights(mine))
+    print(f"{split} vs {reference}, --no-pack, mean-of-means, 12 SGD steps: max |dweight| = {diff:.3g}")
+    assert diff < EXACT
 
 
 @pytest.mark.parametrize("which", ["torch", "manual", "zero-1", "fsdp", "manual fsdp"])

@@ -153,7 +153,7 @@ def test_mean_of_per_rank_means_is_not_the_global_mean(trained):
 
 @pytest.mark.parametrize("ddp", ["torch", "manual"])
 def test_bf16_gradient_compression_halves_the_bytes_and_barely_moves_the_weights(runs, trained, ddp):
-    # bf16 keeps 8 mantissa bits: each rank's gradient is rounded by up to 2^-9 of itself before
+    # bf16 keeps 8 significant bits: each rank's gradient is rounded by up to 2^-8 of itself before
     # the sum. After 5 SGD steps at lr 0.5 that moved the weights by 5.6e-4 here (torch's hook
     # and the manual DDP alike); we allow 5e-3, and require more than float32 rounding.
     fp32, bf16 = {

@@ -97,6 +97,7 @@ def four_ranks(tmp_path_factory, tiny_qwen) -> dict[str, tuple[Run, Path]]:
     for layout, flags in FOUR_RANK_LAYOUTS.items():
         for which in ("torch", "manual"):
             jobs.add(f"sgd {layout}/{which}", [*SGD, *flags, *ddp(which)])
+    jobs.probe("ddp sub-group", "ddp sub-group")
     jobs.add("refused: --tp 3 on 4 ranks", [*TINY, "--n-heads", "3", "--d-model", "33", "--tp", "3"])
     jobs.jobs["refused: qwen --tp 2 on 4 ranks"] = qwen_args(tiny_qwen, jobs.root / "qwen", "--finetune", "full",
                                                              "--tp", "2")  # fmt: skip
@@ -202,6 +203,17 @@ def test_a_model_split_over_two_ranks_trains_the_weights_of_one_process(two_rank
     diff = max_difference(weights(reference), weights(split))
     print(f"{layout}/{which} vs one process, 12 SGD steps: max |dweight| = {diff:.3g}")
     assert diff < EXACT
+
+
+def test_torch_ddp_on_a_sub_group_averages_over_its_group_alone_with_either_hook(four_ranks):
+    run, _ = four_ranks["ddp sub-group"]
+    assert_ok(run)
+    for rank, found in enumerate(probe_facts(run)):
+        print(rank, found)
+        plain, bf16 = found["plain"], found["bf16"]
+        assert plain["to the pair's"] == 0 and plain["to every rank's"] > 0.1  # a sum of two is order-free
+        # bf16 keeps 8 significant bits: each half rounded by up to 2^-8 of itself, and their sum once more
+        assert bf16["relative to the pair's sizes"] <= 2**-8 and bf16["to every rank's"] > 0.1
 
 
 @pytest.mark.parametrize("layout", TWO_RANK_LAYOUTS)
