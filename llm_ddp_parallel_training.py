@@ -151,6 +151,7 @@ class FaultPlan:
     # save: SIGKILL itself halfway through writing the step's checkpoint; hang: stop answering
 
     KINDS = ("kill", "raise", "nan", "desync", "save", "hang")
+    IN_STEP = ("kill", "raise", "nan", "desync", "hang")  # the step acts on them; "save" the checkpoint's writer
 
 
 PRETRAINED_GROUP = "pretrained model (--model hf)"
@@ -255,8 +256,7 @@ class RunConfig:
                          choices=["none", "optimizer", "full"])  # fmt: skip
     bucket_mb: float = flag(25.0, "gradient bucket size for the all-reduce, in MiB (torch's bucket_cap_mb)",
                             within={"kind": float, "low": 1e-3, "high": 65536, "unit": " MiB"})  # fmt: skip
-    grad_accum_steps: int = flag(1, "micro-steps per optimizer step (k-1 without sync); under --pp, the pipeline's "
-                                 "micro-batches: one per stage when not given", within=POSITIVE)  # fmt: skip
+    grad_accum_steps: int = flag(1, "micro-steps per optimizer step (k-1 without sync)", within=POSITIVE)
     loss_normalization: str = flag("global-tokens", "exact mean over every token of the global batch, or the biased "
                                    "mean of per-rank means", choices=["global-tokens", "mean-of-means"])  # fmt: skip
     optimizer: str = flag("adamw", "sgd: plain, no momentum", choices=["adamw", "sgd"])
@@ -272,8 +272,8 @@ class RunConfig:
     tp: int = flag(1, "tensor parallelism: every block's matrices split across groups of N ranks (Megatron's "
                    "layout); the data-parallel degree is the world size / (tp x pp)", "model splitting",
                    within=POSITIVE, metavar="N")  # fmt: skip
-    pp: int = flag(1, "pipeline parallelism: the model cut into N stages of whole blocks, the micro-batches of "
-                   "--grad-accum-steps flowing through them", within=POSITIVE, metavar="N")  # fmt: skip
+    pp: int = flag(1, "pipeline parallelism: the model cut into N stages of whole blocks, each micro-step's batch "
+                   "cut into N micro-batches flowing through them", within=POSITIVE, metavar="N")  # fmt: skip
     pp_schedule: str = flag("1f1b", "gpipe: every micro-batch forward, then every backward; 1f1b: one forward, one "
                             "backward, as soon as they can (less activation memory)",
                             choices=["gpipe", "1f1b"])  # fmt: skip
@@ -296,7 +296,8 @@ class RunConfig:
     timeout_s: float = flag(300.0, "how long a collective may wait for the other ranks",
                             within={"kind": float, "low": 1, "high": 7 * 86400, "unit": " seconds"})  # fmt: skip
 
-    prompt: str = flag("Each rank", "text the trained model continues", "sample")
+    prompt: str = flag(None, "text the trained model continues (default: \"Each rank\" for a tiny model, a question "
+                       "for a pretrained one)", "sample")  # fmt: skip
     sample_tokens: int = flag(120, "length of the sample", within=POSITIVE)
     sample_every: int = flag(0, "every N steps, samples for --prompt and, on chat data, three held-out user turns",
                              within=COUNT, metavar="N")  # fmt: skip
@@ -321,8 +322,6 @@ CORE_SETTINGS = ("corpus_file", "output_dir", "seed", "seq_len", "pack", "d_mode
 def settle_defaults(args: argparse.Namespace, typed: set[str]) -> None:
     """The defaults of None, decided once the rest is known, as each flag's help says; `typed`: the
     flags the command line spelt out."""
-    if args.pp > 1 and "--grad-accum-steps" not in typed:
-        args.grad_accum_steps = args.pp  # a pipeline's micro-batches: one per stage, or stages idle (announce_run)
     if args.max_steps is None:  # 0: no cap, for --epochs to decide (see steps_for_epochs)
         args.max_steps = 0 if args.epochs else 600
     if args.pack is None:  # byte windows cut anywhere; a pretrained model packs whole examples, kept apart, when asked
@@ -331,6 +330,8 @@ def settle_defaults(args: argparse.Namespace, typed: set[str]) -> None:
         args.lr = (2e-5 if args.finetune == "full" else 2e-4) if args.model == "hf" else 3e-3
     if args.min_lr is None:
         args.min_lr = args.lr / 10
+    if args.prompt is None:  # the tiny corpus's opening words; a pretrained model is asked what it may know
+        args.prompt = "Each rank" if args.model == "tiny" else "What does an all-reduce do?"
     if args.temperature is None and not args.chat:  # tiny samples drew at 0.8, pretrained ones greedily; --chat:
         args.temperature = 0.8 if args.model == "tiny" else 0.0  # as what it loads (replier)
 
@@ -726,6 +727,9 @@ def make_train_loader(
     sampler = LeanDistributedSampler(dataset, num_replicas=d.dp, rank=d.dp_rank, shuffle=True, seed=cfg.seed,
                                      drop_last=True)  # fmt: skip
     per_step = cfg.batch_size * cfg.grad_accum_steps
+    if not len(dataset):
+        raise UsageError(f"corpus too small: not one example of --seq-len {cfg.seq_len} fits in it; give a shorter "
+                         "--seq-len or a larger corpus")  # fmt: skip
     if len(sampler) < per_step:
         raise UsageError(
             f"corpus too small: {len(dataset)} examples give each of {d.dp} data-parallel rank(s) "
@@ -2392,7 +2396,11 @@ class Pipeline(PipelineState, Wrapper):
         return F.pad(inputs, (0, pad)), F.pad(targets, (0, pad), value=IGNORE_INDEX)
 
     def forward_backward(self, micro_batches: list[tuple], scales: list[float], micro: MicroStep) -> torch.Tensor:
-        batches = [self.padded(b) for b in micro_batches]
+        # Each micro-step's batch cut into --pp micro-batches (its scale each): the stages fill, and the step
+        # trains what one process trains on that batch.
+        cut = [(part, scale) for batch, scale in zip(micro_batches, scales, strict=True)
+               for part in zip(*(t.chunk(self.d.pp) for t in self.padded(batch)), strict=True)]  # fmt: skip
+        batches, scales = [part for part, _ in cut], [scale for _, scale in cut]
         with self.sync.no_sync() if self.sync else contextlib.nullcontext():
             losses = self.schedule_step(batches, scales, micro)
         loss = torch.stack(losses).sum() if losses else torch.zeros((), device=self.d.device)
@@ -2494,15 +2502,14 @@ class TorchPipeline(Pipeline):
     def schedule_step(self, batches: list[tuple], scales: list[float], micro: MicroStep) -> list[torch.Tensor]:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        # A micro-batch's scale from its own target count (the same count gives the same scale): torch
-        # calls loss_fn once more on its first step, to check the stage's output, so an index would slip.
-        scale_of = {int((t != IGNORE_INDEX).sum()): scale for (_, t), scale in zip(batches, scales, strict=True)}
         losses: list[torch.Tensor] = []
 
         def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             loss = micro.hooks.loss(token_loss_sum(logits, targets))
             losses.append(loss.detach())
-            return loss * scale_of[int((targets != IGNORE_INDEX).sum())]
+            # Which micro-batch: torch hands each as a view of the step's targets, equal in size (and on its first
+            # step the first once more, to check the stage's output: that call's loss is not kept below).
+            return loss * scales[targets.storage_offset() // targets.numel()]
 
         if self.schedule is None:
             stage = PipelineStage(self.module, self.d.pp_rank, self.d.pp, self.d.device, group=self.group)
@@ -2995,7 +3002,7 @@ def derived_settings(cfg: RunConfig) -> set[str]:
     """The settings that hold what settle_defaults derives from the others (--min-lr from --lr, --lr from --model
     and --finetune, ...): left out of config.yaml, they are derived anew when the command line changes those."""
     derived = set()
-    for name in ("lr", "min_lr", "pack", "temperature", "grad_accum_steps"):
+    for name in ("lr", "min_lr", "pack", "temperature", "prompt"):
         args = argparse.Namespace(**{f.name: getattr(cfg, f.name) for f in fields(cfg)} | {name: None})
         settle_defaults(args, set())
         derived |= {name} if getattr(args, name) == getattr(cfg, name) else set()
@@ -3048,9 +3055,9 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         raise UsageError(f"--lora-targets {ALL_LINEAR} already names every linear layer: give it alone")
     if cfg.d_model % cfg.n_heads:
         raise UsageError(f"--d-model {cfg.d_model} is not divisible by --n-heads {cfg.n_heads}")
-    if cfg.sharding == "full" and (why := cannot_shard_fully(cfg)):
-        raise UsageError(why)
-    if cfg.tp * cfg.pp * cfg.cp > 1 and (why := cannot_split(cfg)):
+    if "--ddp" not in typed and layout_refusal(cfg) and not layout_refusal(manual := replace(cfg, ddp="manual")):
+        cfg = manual  # only the from-scratch classes run this layout: the header says so (announce_run)
+    if why := layout_refusal(cfg):
         raise UsageError(why)
     if cfg.merge_lora is not None and (why := cannot_merge(cfg)):
         raise UsageError(why)
@@ -3520,16 +3527,18 @@ def text_lines(path: Path) -> Iterator[str]:
 
 
 def read_records(path: Path, data_format: str, limit: int | None = None) -> tuple[list[Record], str]:
-    """The corpus file's records (its first `limit`) and their format, in memory: a look at a few
-    (--show-examples) or a small file of one's own. Any bad record ends the run, naming its line."""
+    """The corpus file's records (its first `limit`, the rest read and checked too) and their format, in memory:
+    a look at a few (--show-examples) or a small file of one's own. Any bad record ends the run, naming its line."""
     if not is_jsonl(path):
         check_text_format(data_format, path)
-        records = [Record(text=line) for line in itertools.islice(text_lines(path), limit)]
+        lines = (Record(text=line) for line in text_lines(path))
+        records = [*itertools.islice(lines, limit), *collections.deque(lines, maxlen=0)]
         if not records:
             raise UsageError(f"corpus file has no non-blank lines: {path}")
         return records, "text"
     reading = Reading("jsonl", str(path), data_format)
-    records = [reading.record(item) for item in itertools.islice(json_lines(path), limit)]
+    items = map(reading.record, json_lines(path))
+    records = [*itertools.islice(items, limit), *collections.deque(items, maxlen=0)]
     if not records:
         raise UsageError(f"corpus file has no records: {path}")
     return records, reading.first[0]
@@ -4888,7 +4897,8 @@ def resolve_model_files(cfg: RunConfig, d: Dist) -> Path:
     """A local folder as it is; a hub name fetched into the hub's cache (its file locks let one process per
     machine download), then all ranks meet with no deadline, and a failed fetch's message reaches every rank."""
     try:
-        path, problem = fetch_model_files(cfg), ""
+        path = fetch_model_files(cfg)
+        problem = beyond_context(cfg, path)
     except UsageError as e:
         path, problem = None, str(e)
     if d.distributed:
@@ -4896,6 +4906,14 @@ def resolve_model_files(cfg: RunConfig, d: Dist) -> Path:
     if problem:
         raise UsageError(problem)
     return path
+
+
+def beyond_context(cfg: RunConfig, folder: Path) -> str:
+    """A --seq-len past the positions the model has learnt (its config's max_position_embeddings), in words."""
+    config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
+    if (n := config.get("max_position_embeddings")) and cfg.seq_len > n:
+        return f"--seq-len {cfg.seq_len} is beyond {folder.name}'s context of {n} tokens: give at most {n}"
+    return ""
 
 
 @functools.cache  # the token cache's key and the model's loading both ask: one fetch
@@ -5080,6 +5098,12 @@ def describe_gradient_sync(cfg: RunConfig, d: Dist) -> str:
     return sync
 
 
+def layout_refusal(cfg: RunConfig) -> str | None:
+    """Why the sharding or model split asked for cannot run (cannot_shard_fully, cannot_split), if it cannot."""
+    split = cfg.tp * cfg.pp * cfg.cp > 1
+    return (cfg.sharding == "full" and cannot_shard_fully(cfg)) or (split and cannot_split(cfg)) or None
+
+
 def cannot_shard_fully(cfg: RunConfig) -> str | None:
     """Flags --sharding full cannot honour (yet), each named, before any rank trains."""
     if cfg.gradient_checkpointing and cfg.ddp == "manual":
@@ -5131,9 +5155,9 @@ def cannot_split(cfg: RunConfig) -> str | None:
         return f"{flag} with --precision fp16: its loss scaler is not split with the model; use bf16 or fp32"
     if cfg.pp > 1 and cfg.inject_fault and cfg.inject_fault.kind == "desync":
         return "--inject-fault desync with --pp: no tensor is held by every rank, so no check could tell"
-    if cfg.pp > cfg.grad_accum_steps and cfg.ddp == "torch" and cfg.pp_schedule == "1f1b":
-        return (f"--pp {cfg.pp} --pp-schedule 1f1b --ddp torch needs a micro-batch per stage at least: "
-                f"--grad-accum-steps {cfg.grad_accum_steps} is fewer; give {cfg.pp}, or leave it out")  # fmt: skip
+    if cfg.batch_size % cfg.pp:
+        return (f"--pp {cfg.pp} cuts each micro-step's batch into {cfg.pp} micro-batches: --batch-size "
+                f"{cfg.batch_size} does not divide; give a multiple of {cfg.pp}")  # fmt: skip
     if cfg.ddp == "torch" and (cfg.grad_compression != "none" or cfg.trace_steps):
         compressed = cfg.grad_compression != "none"
         what, own = ("--grad-compression", "compresses") if compressed else ("--trace-steps", "traces")
@@ -5512,7 +5536,7 @@ def describe_trace(cfg: RunConfig, ranks: list[list[Span]]) -> tuple[str, str]:
     """The summary's row on the trace: under a model split, what its communication costs; otherwise how
     much of it hid behind compute."""
     if cfg.pp > 1:
-        s, m = cfg.pp, cfg.grad_accum_steps
+        s, m = cfg.pp, cfg.grad_accum_steps * cfg.pp
         ideal = f"{100 * (s - 1) / (m + s - 1):.0f}% for {s} stages and {m} micro-batches"
         # The last stage waits out the drain in the step's closing all-reduces (sync), not in a receive.
         return (
@@ -5673,13 +5697,18 @@ def check_gradients_arrived(model: nn.Module, d: Dist) -> None:
         raise TrainingError("no gradient reached the trainable weights at step 1: nothing would learn")
 
 
-def due_fault(cfg: RunConfig, d: Dist, step: int) -> str | None:
-    """The fault --inject-fault asks of this rank at this step, on the first attempt only: a group
-    torchrun restarted must pass the step that killed its predecessor, or die there for ever."""
+def due_fault(cfg: RunConfig, d: Dist, step: int, acting_on: tuple[str, ...]) -> str | None:
+    """The fault --inject-fault asks of this rank at this step, if the caller acts on its kind: once per run in
+    the output folder, recorded beside its checkpoints (on this rank's machine) as it fires, so that a resumed
+    run, or one torchrun restarted, passes the step that killed its predecessor instead of dying there for ever."""
     plan = cfg.inject_fault
-    if plan and plan.rank == d.rank and plan.step == step and restart_count() == 0:
-        return plan.kind
-    return None
+    if not plan or (plan.rank, plan.step) != (d.rank, step) or plan.kind not in acting_on:
+        return None
+    fired = cfg.output_dir / "checkpoints" / f"fault_{plan.rank}-{plan.step}-{plan.kind}.fired"
+    if fired.exists():
+        return None
+    atomic_write(fired, b"")
+    return plan.kind
 
 
 def crash_on_purpose(kind: str, d: Dist, step: int) -> None:
@@ -5751,7 +5780,7 @@ class SideWork(Hooks):
         if self.timed and self.cuda:
             torch.cuda.synchronize()
         self.last = time.perf_counter()
-        self.fault = due_fault(self.cfg, self.d, step)  # a teaching aid: None in real runs
+        self.fault = due_fault(self.cfg, self.d, step, FaultPlan.IN_STEP)  # a teaching aid: None in real runs
         if self.fault in ("kill", "raise", "hang"):
             crash_on_purpose(self.fault, self.d, step)
         self.stats.local_grads = {} if self.cfg.inspect and step <= INSPECT_STEPS else None
@@ -5971,20 +6000,22 @@ def announce_run(cfg: RunConfig, d: Dist, sampler: DistributedSampler, steps_per
     with --inspect, each rank's shard of the data and of the training state."""
     k, batch = cfg.grad_accum_steps, global_batch(cfg, d)
     split = d.tp * d.pp * d.cp > 1
-    replicas = f"{d.dp} replica(s) of {d.tp * d.pp * d.cp} rank(s)" if split else f"{d.world_size} rank(s)"
+    replicas = f"{d.dp} replica(s)" if split else f"{d.world_size} rank(s)"  # a replica's ranks: the lines below
     log(d, f"[run] {replicas} x {cfg.batch_size} examples x {k} micro-step(s) = global batch {batch}")
     if d.tp > 1:
         log(d, f"[run] --tp {d.tp}: each replica's {d.tp} ranks hold a slice of every weight and see the same batch")
     if d.pp > 1:
-        log(d, f"[run] --pp {d.pp}: each replica's {d.pp} ranks hold a stage of blocks each; its {k} micro-batches "
-               f"a step fill the pipeline (--grad-accum-steps; one per stage when not given: fewer leave stages "
-               f"idle, and torch's 1F1B refuses them)")  # fmt: skip
+        log(d, f"[run] --pp {d.pp}: each replica's {d.pp} ranks hold a stage of blocks each; each micro-step's "
+               f"{cfg.batch_size} examples flow through them as {d.pp} micro-batches of {cfg.batch_size // d.pp}, "
+               f"{k * d.pp} a step (--grad-accum-steps adds more: a smaller bubble)")  # fmt: skip
     if d.cp > 1:
         log(d, f"[run] --cp {d.cp}: each replica's {d.cp} ranks see the same batch, each two of its {2 * d.cp} chunks "
                "of every example; keys and values travel round them (ring attention)")  # fmt: skip
     log(d, f"[run] up to {batch * cfg.seq_len:,} token positions per step (a batch is padded to its longest example)")
     each, steps = "replica" if split else "rank", "step" if steps_per_epoch == 1 else "steps"
     log(d, f"[run] {len(sampler)} examples per {each} per epoch = {steps_per_epoch} {steps} per epoch")
+    if cfg.ddp == "manual" and (why := layout_refusal(replace(cfg, ddp="torch"))):
+        log(d, f"[run] --ddp manual: only the from-scratch classes run this ({why})")
     log(d, f"[run] gradient sync: {describe_gradient_sync(cfg, d)}; loss: {cfg.loss_normalization}; optimizer: "
            f"{cfg.optimizer}, lr {cfg.lr:g} (warmup {warmup_steps(cfg)}, cosine to {cfg.min_lr:g}); "
            f"precision {precision}")  # fmt: skip
@@ -6049,10 +6080,9 @@ def describe_evaluation(cfg: RunConfig, d: Dist, n: int) -> str:
     read, between = len(evaluated_examples(cfg, n)), min(cfg.eval_every or cfg.max_steps, cfg.max_steps)
     share = read / 3 / max(1, between * global_batch(cfg, d))
     which = "every held-out example" if read == n else f"{read:,} of {n:,} held-out examples, spread evenly"
-    when = f"every {between} steps and at the end" if between < cfg.max_steps else "at the end"
-    return (
-        f"[eval] {which}, {when}: about {share:.1%} of the compute of the steps between (--eval-examples; 0 reads all)"
-    )
+    when, of = (f"every {between} steps and at the end", "the steps between") if between < cfg.max_steps else (
+        "at the end", "the training steps")  # fmt: skip
+    return f"[eval] {which}, {when}: about {share:.1%} of the compute of {of} (--eval-examples; 0 reads all)"
 
 
 # Dense bf16/fp16 tensor-core peaks in FLOP/s, from the vendors' data sheets, for MFU. Matched
@@ -6483,7 +6513,7 @@ def print_summary(cfg: RunConfig, d: Dist, side: SideWork, progress: Progress, w
         ("peak memory", peaks),
         ("collectives", describe_traffic(cfg, d, side.traffic)),
         *([describe_trace(cfg, side.trace)] if side.trace else []),
-        ("outputs", ", ".join(str(p) for p in outputs)),
+        ("outputs", ", ".join(f"{p}/" if p.is_dir() else str(p) for p in outputs)),
     ]
     width = max(len(k) for k, _ in rows)
     say("[summary]\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows))
@@ -6833,7 +6863,7 @@ class StateSaver:
             folder.mkdir(parents=True, exist_ok=True)
             data = io.BytesIO()
             torch.save(state, data)
-            if due_fault(cfg, d, step) == "save":  # teaching aid: die with half a file on disk
+            if due_fault(cfg, d, step, ("save",)):  # teaching aid: die with half a file on disk
                 (folder / f".state.pt.tmp-{os.getpid()}").write_bytes(data.getvalue()[: len(data.getvalue()) // 2])
                 crash_on_purpose("kill", d, step)
             atomic_write(folder / "state.pt", data.getvalue())
@@ -7184,7 +7214,8 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
         outputs.append(figure("timeline.png", functools.partial(timeline_figure, cfg=cfg, ranks=hooks.trace)))
     memory = json.dumps(hooks.memory, indent=1).encode()
     rank0_then_share(d, "could not write memory.json", lambda: atomic_write(cfg.output_dir / "memory.json", memory))
-    outputs = [p for p in [*outputs, cfg.output_dir / "memory.json"] if p]
+    written = [cfg.output_dir / name for name in ("config.yaml", "checkpoints", *TRACKERS)]  # trackers: a folder each
+    outputs = [p for p in [*outputs, cfg.output_dir / "memory.json", *filter(Path.exists, written)] if p]
     if d.is_main:
         kit.model.eval()
         # The unwrapped model: a forward through the DDP wrapper may talk to the other ranks,

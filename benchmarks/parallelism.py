@@ -119,10 +119,12 @@ def plan(only: Collection[str]) -> list[Run]:
 def command(run: Run, folder: Path, smoke: bool) -> list[str]:
     micro, accum = (SMOKE_MICRO, SMOKE_ACCUM) if smoke else (MICRO, ACCUM)
     steps = SMOKE_STEPS if smoke else STEPS
-    # --batch-size is per data-parallel replica: DDP has two, a split layout one.
+    # --batch-size is per data-parallel replica: DDP has two, a split layout one. A pipeline cuts each micro-step
+    # into a micro-batch per stage: half the micro-steps of twice the examples are the same micro-batches.
     batch = micro // RANKS if run.layout in DATA_PARALLEL else micro
+    cut = STAGES if "--pp" in LAYOUTS[run.layout] else 1
     args = [*COMMON, *(SMOKE_MODEL if smoke else TINY_MODEL), *LAYOUTS[run.layout], "--ddp", run.ddp,
-            "--batch-size", str(batch), "--grad-accum-steps", str(accum), "--max-steps", str(steps),
+            "--batch-size", str(batch * cut), "--grad-accum-steps", str(accum // cut), "--max-steps", str(steps),
             "--output-dir", str(folder), "--metrics-file", str(folder / "metrics.jsonl"),
             "--nproc", str(RANKS)]  # fmt: skip
     if run.traced:
@@ -364,8 +366,9 @@ def report(results: list[dict], summary: dict[str, dict], smoke: bool, loads: li
         "",
         f"The model: `{' '.join(model)}`; every layout trains the same global batch, {accum} micro-batches of "
         f"{micro} examples (DDP, and ZeRO-1 and FSDP where they ran: `--batch-size {micro // RANKS}` on each of "
-        f"their {RANKS} replicas; `--tp 2` and "
-        f"`--pp 2`: `--batch-size {micro}` on their one replica), `--grad-accum-steps {accum}`. *step ms*: rank 0's "
+        f"their {RANKS} replicas; `--tp 2`: `--batch-size {micro}` on its one replica), `--grad-accum-steps {accum}`; "
+        f"`--pp 2`: `--batch-size {micro * STAGES} --grad-accum-steps {accum // STAGES}`, each micro-step cut into "
+        f"{STAGES} micro-batches. *step ms*: rank 0's "
         f"wall-clock time per step, the median of the steps after the first {SMOKE_WARMUP if smoke else WARMUP}, "
         f"then the median over {rounds} round(s). *vs DDP*: against `--sharding none` with the same `--ddp`, "
         "taken within each round, the rounds' median. The `--ddp manual` runs are traced (`--trace-steps`); "

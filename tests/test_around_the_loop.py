@@ -183,7 +183,7 @@ def test_on_chat_data_samples_answer_prompt_and_the_first_three_held_out_user_tu
     _, root = runs
     (record,) = [r for r in logged(root / "chat-metrics.jsonl") if "samples" in r]
     asked = [sample.split(" -> ")[0] for sample in record["samples"]]
-    assert asked == ["Each rank", *USERS[:3]], record["samples"]
+    assert asked == ["What does an all-reduce do?", *USERS[:3]], record["samples"]  # a pretrained model's --prompt
 
 
 def test_an_eval_file_is_the_held_out_data_and_nothing_is_carved_out_of_the_training_data(runs, corpus_lines):

@@ -76,6 +76,7 @@ def two_ranks(tmp_path_factory):
         "empty": [*TINY, "--corpus-file", write(root / "e.txt", b"\n  \n\n")],
         "latin-1": [*TINY, "--corpus-file", write(root / "l1.txt", "caf\xe9 latin-1\n".encode("latin-1"))],
         "too small": [*TINY, "--batch-size", "8", "--corpus-file", write(root / "s.txt", b"one\ntwo\nthree\n")],
+        "seq-len beyond the corpus": [*TINY, "--seq-len", "100000", "--val-fraction", "0"],
         "batch size 0": [*TINY, "--batch-size", "0"],
         "unwritable": [*TINY, "--max-steps", "1", "--output-dir", str(blocker / "out")],
     }
@@ -183,6 +184,11 @@ def test_corpus_that_is_not_utf8(two_ranks):
 
 def test_corpus_too_small_for_one_batch_per_rank(two_ranks):
     assert_one_clear_error(two_ranks["too small"], "corpus too small", 2)
+
+
+def test_a_seq_len_no_example_fits_is_named_as_the_cause(two_ranks):
+    expected = "corpus too small: not one example of --seq-len 100000 fits in it; give a shorter --seq-len"
+    assert_one_clear_error(two_ranks["seq-len beyond the corpus"], expected, 2)
 
 
 def test_an_impossible_size_ends_every_rank_with_one_line(two_ranks):
@@ -334,3 +340,13 @@ def test_a_byte_order_mark_is_not_trained_on(tmp_path):
     path = tmp_path / "bom.txt"
     path.write_bytes("\ufeffFirst line\nSecond line\n".encode())
     assert list(t.text_lines(path)) == ["First line", "Second line"]
+
+
+def test_a_seq_len_beyond_the_models_context_is_refused_before_the_data_is_read(tiny_qwen):
+    cfg = t.parse_args(["--model", "hf", "--model-name-or-path", str(tiny_qwen), "--seq-len", "100000"])
+    one = t.Dist(0, 0, 1, 1, torch.device("cpu"), None, "one process")
+    with pytest.raises(
+        t.UsageError, match=r"^--seq-len 100000 is beyond \S+'s context of 512 tokens: give at most 512$"
+    ):
+        t.resolve_model_files(cfg, one)  # each rank's first look at the model, before the token cache is built
+    assert t.resolve_model_files(t.replace(cfg, seq_len=512), one) == tiny_qwen

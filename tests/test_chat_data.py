@@ -219,11 +219,23 @@ def test_show_examples_prints_records_in_file_order_with_targets_bracketed(one_p
     assert not (one_process.out("show_examples") / "qwen_lora").exists(), "--show-examples trains nothing"
 
 
+def test_show_examples_reads_and_checks_the_whole_file_before_it_shows_the_first(tmp_path):
+    # The check the README tells users to run before spending GPU hours: a bad line 7 fails it, not training.
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(6)) + "{not json\n")
+    with pytest.raises(t.UsageError, match=r"data\.jsonl:7: not valid JSON"):
+        t.first_records(t.parse_args(["--corpus-file", str(path), "--show-examples", "2"]), 2)
+    text = tmp_path / "data.txt"
+    text.write_bytes(b"".join(b"line %d\n" % i for i in range(6)) + "caf\xe9\n".encode("latin-1"))
+    with pytest.raises(t.UsageError, match=r"not valid UTF-8: \S+data\.txt \(bad byte at offset 45\)"):
+        t.first_records(t.parse_args(["--corpus-file", str(text), "--show-examples", "2"]), 2)
+
+
 def test_two_ranks_train_on_conversations_and_the_sample_is_a_reply(two_ranks):
     run = two_ranks["conversations"]
     assert_ok(run)
     assert re.search(r"training messages records -> \d+ examples of 96 tokens; \d+ cut to --seq-len 96", run.stdout)
-    assert "[sample] Each rank -> " in run.stdout
+    assert "[sample] What does an all-reduce do? -> " in run.stdout
 
 
 def test_packed_chat_training_resumes_bit_exactly_after_a_killed_worker(tiny_qwen, chat_file, two_ranks, tmp_path):

@@ -114,7 +114,6 @@ def test_a_repeat_into_another_folder_writes_there_what_the_first_run_wrote_in_i
     [
         (["--cpu"], ["--lr", "1e-4"], {"min_lr": 1e-5}),  # --min-lr: a tenth of --lr
         (["--model", "hf"], ["--finetune", "full"], {"lr": 2e-5, "min_lr": 2e-6}),  # gentler for all the weights
-        (["--pp", "2", "--n-layers", "2"], ["--pp", "1"], {"grad_accum_steps": 1}),  # a micro-batch per stage
     ],
 )
 def test_a_setting_the_run_derived_is_derived_anew_when_config_yaml_is_changed(tmp_path, argv, then, derived):

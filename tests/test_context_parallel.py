@@ -155,7 +155,7 @@ def test_manual_ddp_under_cp_is_bitwise_torchs_ddp(two_ranks, four_ranks, root):
 
 def test_the_run_says_how_cp_splits_the_batch(two_ranks):
     out = two_ranks["cp torch"].stdout
-    assert "[run] 1 replica(s) of 2 rank(s) x 2 examples x 2 micro-step(s) = global batch 4" in out
+    assert "[run] 1 replica(s) x 2 examples x 2 micro-step(s) = global batch 4" in out
     assert "[run] --cp 2: each replica's 2 ranks see the same batch, each two of its 4 chunks" in out
     assert "[run] gradient sync: torch DDP" in out
     assert re.search(r"collectives  rank 0, per step: ring send \d+ call", out)

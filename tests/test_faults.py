@@ -114,7 +114,8 @@ def shared(first) -> SimpleNamespace:
 
     changed = ["--precision", "bf16", "--grad-compression", "bf16", "--ddp", "manual", "--max-steps", "130"]
     two_ranks = {
-        "crash resumed": [*RUN, "--output-dir", str(crash)],
+        # The crash's own command (less --nproc): the fault fired once in that folder, and must not fire again.
+        "crash resumed": [*RUN, "--output-dir", str(crash), "--inject-fault", "0:80:save"],
         "damaged": [*RUN, "--output-dir", str(damaged)],
         "damaged newer": [*RUN, "--output-dir", str(newer), "--max-steps", "200", "--keep-last", "1"],
         "rollback continued": [*RUN, "--output-dir", str(rollback), "--max-steps", "110", "--save-every", "10"],
@@ -146,6 +147,7 @@ def test_a_crash_during_a_checkpoint_write_never_leaves_a_loadable_partial(share
     assert_ok(resumed)
     assert "skipping" in resumed.stdout and "step_00000080 is incomplete" in resumed.stdout
     assert "step_00000040 (step 40" in resumed.stdout
+    assert "[fault]" in shared.crashed.stderr and "[fault]" not in resumed.output, "a fault fires once per folder"
     assert_bitwise_equal(weights(shared.uninterrupted), weights(shared.crash))
 
 

@@ -32,8 +32,8 @@ from parallelism_worker import probe_facts, run_jobs
 
 import llm_ddp_parallel_training as t
 
-# Two blocks: a pipeline of 2 stages needs one block each. Two micro-batches a step: a pipeline's
-# micro-batches are the step's --grad-accum-steps.
+# Two blocks: a pipeline of 2 stages needs one block each. Two micro-steps of 2 examples: under --pp 2 each is cut
+# into 2 micro-batches of one example, 4 a step.
 SPLIT = [*TINY, "--n-layers", "2", "--batch-size", "2", "--grad-accum-steps", "2"]
 # SGD moves each weight by exactly lr x gradient: a gradient off by any factor shows in the weights.
 SGD = [*SPLIT, "--optimizer", "sgd", "--lr", "0.5", "--grad-clip", "0", "--dropout", "0", "--max-steps", "12",
@@ -43,6 +43,7 @@ CLIP = 0.5
 ADAMW = [*SPLIT, "--batch-size", "1", "--grad-accum-steps", "4", "--grad-clip", str(CLIP), "--dropout", "0",
          "--max-steps", "12", "--log-every", "1"]  # fmt: skip
 DROPOUT = [*SPLIT, "--dropout", "0.1", "--verify-sync", "1", "--max-steps", "4", "--log-every", "1"]
+PLAIN = [*TINY, "--n-layers", "2", "--max-steps", "2"]  # AdamW, clipping: the defaults
 SHOW = [*SPLIT, "--max-steps", "3", "--log-every", "1", "--trace-steps", "2", "--inspect", "--ddp", "manual"]
 
 EXACT = 1e-6  # the bound for fp32 SGD against the plain run
@@ -55,7 +56,7 @@ TWO_RANK_LAYOUTS = {
 }
 # 4 ranks, 2 replicas of a model split in 2. (--tp 2 --sharding full has no from-scratch twin: refused.)
 FOUR_RANK_LAYOUTS = {"pp x ddp": ["--pp", "2"], "tp x ddp": ["--tp", "2"]}
-TP_X_PP = ["--tp", "2", "--pp", "2", "--ddp", "manual"]  # tensor parallelism inside pipeline stages: from scratch
+TP_X_PP = ["--tp", "2", "--pp", "2"]  # tensor parallelism inside pipeline stages: from scratch, chosen as no --ddp is
 HAS_PEFT = importlib.util.find_spec("peft") is not None
 
 
@@ -124,15 +125,16 @@ def two_ranks(tmp_path_factory, tiny_qwen, four_ranks) -> dict[str, tuple[Run, P
              [*SGD, "--tp", "2", "--batch-size", "4", "--resume", str(checkpoint(tp_full, 6))])  # fmt: skip
     for layout in ("tp", "pp 1f1b"):
         for which in ("torch", "manual"):
-            jobs.add(f"adamw {layout}/{which}", [*ADAMW, *TWO_RANK_LAYOUTS[layout], *ddp(which)])
+            # The pipeline's 4 micro-batches of one example: 2 micro-steps of 2, each cut in 2
+            pipelined = ["--batch-size", "2", "--grad-accum-steps", "2"] if layout.startswith("pp") else []
+            jobs.add(f"adamw {layout}/{which}", [*ADAMW, *TWO_RANK_LAYOUTS[layout], *pipelined, *ddp(which)])
     # The yardstick: DDP, the same global batch of 4 (2 ranks x 1 example x 2 micro-steps).
     jobs.add("adamw ddp", [*ADAMW, "--grad-accum-steps", "2"])
     for which in ("torch", "manual"):
         jobs.probe(f"dropout tp/{which}", "tp replicas", [*DROPOUT, "--tp", "2", *ddp(which)])
     for which in ("torch", "manual"):
         for schedule in ("1f1b", "gpipe"):  # as a learner types it: no --grad-accum-steps
-            jobs.add(f"plain pp/{which} {schedule}", [*TINY, "--n-layers", "2", "--pp", "2", "--max-steps", "2",
-                                                     *ddp(which), "--pp-schedule", schedule])  # fmt: skip
+            jobs.add(f"plain pp/{which} {schedule}", [*PLAIN, "--pp", "2", *ddp(which), "--pp-schedule", schedule])
     jobs.add("show tp", [*SHOW, "--tp", "2"])
     jobs.add("show pp", [*SHOW, "--pp", "2"])
     jobs.probe("tp float64", "tp float64")
@@ -169,6 +171,7 @@ def one_process(tmp_path_factory, tiny_qwen, two_ranks, four_ranks, eight_ranks)
     three_d = checkpoint(eight_ranks["sgd dp x tp x pp"][1], 6)  # global batch 8: one process takes 4 x 2
     jobs.add("sgd 3-d resumed by none", [*SGD, "--batch-size", "4", "--ddp", "manual", "--resume", str(three_d)])
     jobs.add("adamw", ADAMW)
+    jobs.add("plain", PLAIN)  # as a learner types it: the yardstick of the same command plus --pp 2
     jobs.add("nothing to split", [*TINY, "--max-steps", "1", "--tp", "2"])
     for finetune in ("full", "lora") if HAS_PEFT else ("full",):
         jobs.jobs[f"qwen {finetune}"] = qwen_args(tiny_qwen, jobs.root / f"qwen_{finetune}", "--finetune", finetune)
@@ -235,6 +238,11 @@ def test_tp_inside_pipeline_stages_over_four_ranks_trains_the_weights_of_one_pro
     diff = max_difference(weights(reference), weights(split))
     print(f"tp 2 x pp 2 vs one process: max |dweight| = {diff:.3g}")
     assert diff < EXACT
+    # Typed without --ddp, the layout only the from-scratch classes compose: they are chosen, and the header says so
+    assert (
+        "[run] --ddp manual: only the from-scratch classes run this (--tp with --pp --ddp torch: torch's pipeline "
+        "takes no sliced stages here; --ddp manual composes them)"
+    ) in four_ranks["sgd tp x pp"][0].stdout
 
 
 def test_the_3d_layout_dp_x_tp_x_pp_over_eight_ranks_trains_the_weights_of_ddp(eight_ranks, two_ranks):
@@ -242,7 +250,7 @@ def test_the_3d_layout_dp_x_tp_x_pp_over_eight_ranks_trains_the_weights_of_ddp(e
     diff = max_difference(weights(reference), weights(split))
     print(f"dp 2 x tp 2 x pp 2 vs 2-rank DDP: max |dweight| = {diff:.3g}")
     assert diff < EXACT
-    assert "[run] 2 replica(s) of 4 rank(s) x 2 examples x 2 micro-step(s) = global batch 8" in eight_ranks[
+    assert "[run] 2 replica(s) x 2 examples x 2 micro-step(s) = global batch 8" in eight_ranks[
         "sgd dp x tp x pp"][0].stdout  # fmt: skip
 
 
@@ -534,9 +542,10 @@ def test_the_summary_counts_one_steps_tensor_parallel_all_reduces_with_their_byt
 
 
 def test_the_summary_counts_one_steps_pipeline_sends_with_their_bytes(two_ranks):
-    # Stage 0 (rank 0) sends each micro-batch's activations on: 2 of (2, 64, 32) fp32 = 32 KiB.
+    # Stage 0 (rank 0) sends each micro-batch's activations on: 2 micro-steps of 2 examples cut in 2 for the 2
+    # stages, 4 of (1, 64, 32) fp32 = 32 KiB.
     row = sent_per_step(shown(two_ranks, "show pp"))
-    assert row == "rank 0, per step: pipeline send 2 call(s), 0.03 MiB", row
+    assert row == "rank 0, per step: pipeline send 4 call(s), 0.03 MiB", row
 
 
 def trace(out: Path) -> list[dict]:
@@ -560,8 +569,8 @@ def test_the_pp_trace_shows_sends_receives_and_each_stages_bubble(two_ranks):
     events = trace(finished(two_ranks, "show pp"))
     for rank, other in ((0, 1), (1, 0)):
         mine = [e for e in events if e["pid"] == rank]
-        assert [e["args"]["to stage"] for e in mine if e["name"] == "send"].count(other) == 4  # 2 steps x 2
-        assert [e["args"]["from stage"] for e in mine if e["name"] == "recv"].count(other) == 4
+        assert [e["args"]["to stage"] for e in mine if e["name"] == "send"].count(other) == 8  # 2 steps x 4
+        assert [e["args"]["from stage"] for e in mine if e["name"] == "recv"].count(other) == 8
         assert any(e["name"] == "bubble" for e in mine)
     # The last stage waits at the step's end for the first to finish its backward: drawn as the drain it is.
     # The first stage finishes last: it never drains.
@@ -572,9 +581,9 @@ def test_the_pp_trace_shows_sends_receives_and_each_stages_bubble(two_ranks):
 def test_the_summary_gives_each_stages_bubble_beside_the_ideal(two_ranks):
     run = shown(two_ranks, "show pp")
     row = re.search(r"^  pipeline bubble\s+(.*)$", run.stdout, re.M).group(1)
-    # (S - 1) / (M + S - 1) = 1/3 for 2 stages and 2 micro-batches
+    # (S - 1) / (M + S - 1) = 1/5 for 2 stages and 4 micro-batches (2 micro-steps, each cut in 2)
     assert re.fullmatch(
-        r"idle, waiting for a neighbour: rank 0 \d+%, rank 1 \d+% \(ideal 33% for 2 stages and 2 micro-batches, for the"
+        r"idle, waiting for a neighbour: rank 0 \d+%, rank 1 \d+% \(ideal 20% for 2 stages and 4 micro-batches, for the"
         r" first\)",
         row,
     ), row
@@ -586,7 +595,8 @@ def test_the_summary_gives_each_stages_bubble_beside_the_ideal(two_ranks):
 
 
 REFUSED = {
-    "torch's tp with pp": (["--n-layers", "2", "--tp", "2", "--pp", "2"], "--tp with --pp --ddp torch: torch's"),
+    "torch's tp with pp": (["--n-layers", "2", "--tp", "2", "--pp", "2", "--ddp", "torch"],
+                           "--tp with --pp --ddp torch: torch's"),
     "tp with sharding optimizer": (["--tp", "2", "--sharding", "optimizer"], "--tp 2 with --sharding optimizer"),
     "pp with sharding full": (["--n-layers", "2", "--pp", "2", "--sharding", "full"], "--pp 2 with --sharding full"),
     "tp with from-scratch fsdp": (["--tp", "2", "--sharding", "full", "--ddp", "manual"],
@@ -597,27 +607,35 @@ REFUSED = {
     "pp with fp16": (["--n-layers", "2", "--pp", "2", "--precision", "fp16"], "--pp 2 with --precision fp16"),
     "pp with desync": (["--n-layers", "2", "--pp", "2", "--inject-fault", "1:2:desync"],
                        "--inject-fault desync with --pp"),
-    "torch's tp traced": (["--tp", "2", "--trace-steps", "2"], "--trace-steps with --tp 2 --ddp torch"),
-    "torch's pp compressed": (["--n-layers", "2", "--pp", "2", "--grad-compression", "bf16"],
+    "torch's tp traced": (["--tp", "2", "--trace-steps", "2", "--ddp", "torch"],
+                          "--trace-steps with --tp 2 --ddp torch"),
+    "torch's pp compressed": (["--n-layers", "2", "--pp", "2", "--grad-compression", "bf16", "--ddp", "torch"],
                               "--grad-compression with --pp 2 --ddp torch"),
-    "torch's 1f1b with fewer micro-batches than stages": (
-        ["--n-layers", "2", "--pp", "2", "--grad-accum-steps", "1"],
-        "--pp 2 --pp-schedule 1f1b --ddp torch needs a micro-batch per stage at least"),
+    "pp not dividing the batch": (["--n-layers", "2", "--pp", "2", "--batch-size", "3"],
+                                  "--pp 2 cuts each micro-step's batch into 2 micro-batches: --batch-size 3 does not "
+                                  "divide; give a multiple of 2"),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("which", ["torch", "manual"])
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_pp_as_a_learner_types_it_trains_with_one_micro_batch_per_stage(two_ranks, which, schedule):
+def test_the_same_command_plus_pp_trains_what_one_process_trains(two_ranks, one_process, which, schedule):
+    # AdamW, clipping, 2 steps, no --grad-accum-steps: each step's batch of 4 cut into 2 micro-batches of 2
     run = shown(two_ranks, f"plain pp/{which} {schedule}")
-    assert "[run] 1 replica(s) of 2 rank(s) x 4 examples x 2 micro-step(s) = global batch 8" in run.stdout
-    assert "[run] --pp 2: each replica's 2 ranks hold a stage of blocks each; its 2 micro-batches a step" in run.stdout
+    assert "[run] 1 replica(s) x 4 examples x 1 micro-step(s) = global batch 4" in run.stdout
+    assert ("[run] --pp 2: each replica's 2 ranks hold a stage of blocks each; each micro-step's 4 examples flow "
+            "through them as 2 micro-batches of 2, 2 a step") in run.stdout  # fmt: skip
     assert "examples per replica per epoch" in run.stdout
+    diff = max_difference(
+        weights(finished(one_process, "plain")), weights(finished(two_ranks, f"plain pp/{which} {schedule}"))
+    )
+    print(f"the same command plus --pp 2 ({which}, {schedule}) vs one process: max |dweight| = {diff:.3g}")
+    assert diff < EXACT
 
 
 def test_the_run_header_under_tp_counts_replicas_and_says_how_the_model_is_split(two_ranks):
     run = shown(two_ranks, "show tp")
-    assert "[run] 1 replica(s) of 2 rank(s) x 2 examples x 2 micro-step(s) = global batch 4" in run.stdout
+    assert "[run] 1 replica(s) x 2 examples x 2 micro-step(s) = global batch 4" in run.stdout
     assert "[run] --tp 2: each replica's 2 ranks hold a slice of every weight and see the same batch" in run.stdout
 
 
@@ -638,7 +656,7 @@ def test_a_split_that_cannot_work_is_refused_in_one_line(case, tmp_path, monkeyp
 def test_a_trace_of_torchs_split_is_refused_saying_that_manual_ddp_traces_its_own():
     # Not "shows and compresses", the words of the compression refusal: the trace has nothing to compress.
     with pytest.raises(t.UsageError) as refused:
-        t.parse_args([*TINY, "--tp", "2", "--trace-steps", "2"])
+        t.parse_args([*TINY, "--tp", "2", "--trace-steps", "2", "--ddp", "torch"])
     assert str(refused.value) == (
         "--trace-steps with --tp 2 --ddp torch: torch's split runs its collectives out of this script's sight; "
         "--ddp manual traces its own"

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import pty
+import re
 import select
 import struct
 import subprocess
@@ -163,6 +164,20 @@ def test_the_summary_reports_steps_tokens_time_losses_and_outputs(reported):
     for row in ("steps", "tokens seen", "wall time", "tokens/s", "train loss", "val loss", "outputs"):
         assert f"  {row} " in summary
     assert f"{records[-1]['tokens_seen']:,}" in summary and str(out / "loss.png") in summary
+
+
+def test_the_summary_names_every_file_and_folder_the_run_wrote(one_process):
+    run, out = one_process["plot"]
+    assert_ok(run)
+    row = re.search(r"^  outputs\s+(.*)$", run.stdout, re.M).group(1).split(", ")
+    assert row == [str(out / n) for n in ("tiny_transformer.pt", "loss.png", "memory.json", "config.yaml")] + [
+        f"{out / 'checkpoints'}/"]  # fmt: skip
+
+
+def test_an_evaluation_only_at_the_end_is_weighed_against_the_training_steps(one_process):
+    run, _ = one_process["one"]  # --max-steps 1: no steps between two evaluations
+    assert re.search(r"^\[eval\] every held-out example, at the end: about [0-9.]+% of the compute of the training "
+                     r"steps \(", run.stdout, re.M), run.stdout  # fmt: skip
 
 
 def test_a_missing_matplotlib_is_one_line_not_a_failure(tmp_path):
