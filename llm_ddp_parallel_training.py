@@ -3303,7 +3303,8 @@ def describe_nodes(d: Dist) -> str | None:
     mine = (os.environ.get("GROUP_RANK", "?"), socket.gethostname(), address, where + nccl)
     dist.all_gather_object(every, mine, d.control)
     nodes = {node: [r for r, other in enumerate(every) if other == node] for node in dict.fromkeys(every)}
-    NODES.update({address: f"node {n} ({host}, {address})" for n, host, address, _ in nodes})
+    NODES.update({r: f"node {node[0]} ({node[1]}, {node[2]})" for node, ranks in nodes.items() for r in ranks})
+    threading.Thread(target=beat, args=(d.rank,), daemon=True).start()
     env = os.environ  # torch 2.13's agent on the store's host keeps its first round's store address, never resent:
     stuck = env.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0" and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     return f"[nodes] {len(nodes)} nodes: " + "; ".join(
@@ -3313,25 +3314,37 @@ def describe_nodes(d: Dist) -> str | None:
          "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every host" if stuck else "")  # fmt: skip
 
 
-NODES: dict[str, str] = {}  # each node's socket address -> its name: a lost peer's address in an error names it
+NODES: dict[int, str] = {}  # each rank's node, by name, where ranks span nodes: a stalled rank names its node
+BEAT_S = 1.0  # how often each rank of a run across nodes says in the rendezvous store that it is there
 
 
-def unreachable_nodes() -> list[str]:
-    """The nodes whose address no longer answers at all, after a collective timed out: a connection refused
-    is an answer (the host is there); silence or no route is a host or a link gone. All asked at once."""
-    from concurrent.futures import ThreadPoolExecutor
+def store_client(seconds: float) -> dist.Store:
+    """A connection of its own to the store the ranks met in (torchrun's agent's, or torch's on rank 0)."""
+    where = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    return dist.TCPStore(*where, is_master=False, timeout=timedelta(seconds=seconds), use_libuv=USE_LIBUV)
 
-    def silent(address: str) -> bool:
-        try:
-            socket.create_connection((address, 9), timeout=2).close()  # port 9 (discard): almost always refused
-        except ConnectionRefusedError:
-            return False
-        except OSError:
-            return True
-        return False
 
-    with ThreadPoolExecutor(max(1, len(NODES))) as pool:
-        return [name for name, gone in zip(NODES.values(), pool.map(silent, NODES), strict=True) if gone]
+def beat(rank: int) -> None:
+    """Every BEAT_S, one more on this rank's counter in the rendezvous store; ends when the store cannot be
+    reached. Its own connection: a beat waiting on a lost store holds up nothing else."""
+    with contextlib.suppress(RuntimeError, OSError):  # (DistStoreError, DistNetworkError: RuntimeErrors)
+        store = store_client(10)
+        while True:
+            store.add(f"llm_ddp/beat/{rank}", 1)
+            time.sleep(BEAT_S)
+
+
+def stalled_ranks() -> set[int] | None:
+    """After a collective failed: the ranks that did not beat in the store for three beats (their process, host
+    or link gone); None where this rank no longer reaches the store itself. What the ranks told the store, not a
+    probe of a port a firewall may drop; by rank, so that two nodes behind one address stay two."""
+    try:
+        store, keys = store_client(5), {rank: f"llm_ddp/beat/{rank}" for rank in NODES}
+        before = {rank: store.add(key, 0) for rank, key in keys.items()}
+        time.sleep(3 * BEAT_S)
+        return {rank for rank, key in keys.items() if store.add(key, 0) == before[rank]}
+    except (RuntimeError, OSError, KeyError):  # (no MASTER_ADDR: a process group made without one)
+        return None
 
 
 def host_address() -> str:
@@ -7324,12 +7337,17 @@ def report_failure(error: Exception, cfg: RunConfig | None, d: Dist | None) -> i
     if not (d and d.distributed and (isinstance(error, dist.DistError) or silent or any(
             sign in str(error) for sign in PEER_GONE))):  # fmt: skip
         raise error
+    stalled = stalled_ranks() if NODES else set()  # (one node: no beats to read)
+    nodes = {node: {r for r, n in NODES.items() if n == node} for node in NODES.values()}
     if silent:
-        gone = "".join(f"; {node} does not answer at all: its host or link is down" for node in unreachable_nodes())
+        gone = "".join(f"; {node} does not answer at all: its host or link is down" for node, ranks in nodes.items()
+                       if stalled is not None and ranks <= stalled)  # fmt: skip
+        gone += "; this rank cannot reach the rendezvous store either: its link, or the store's host, is down" * (
+            stalled is None)  # fmt: skip
         report_error(f"rank {d.rank}: another rank did not answer within --timeout-s {cfg.timeout_s:g} (it hung, "
                      f"or is far slower{gone}): {first_line(error)}", every_rank=True, after_peer=True)  # fmt: skip
     else:
-        who = next((name for address, name in NODES.items() if f"[{address}]" in str(error)), "another rank")
+        who = " and ".join(node for node, ranks in nodes.items() if ranks & (stalled or set())) or "another rank"
         report_error(f"rank {d.rank} lost contact with {who}, which probably failed first: {first_line(error)}",
                      every_rank=True, after_peer=True)  # fmt: skip
     return 1

@@ -101,6 +101,15 @@ def test_config_yaml_names_its_files_absolutely_so_it_repeats_the_run_from_any_f
     ]
 
 
+def test_config_yaml_leaves_out_how_the_run_was_launched_and_the_readme_says_so(tmp_path):
+    import yaml
+
+    written = t.write_settings(t.parse_args(["--nproc", "2", "--output-dir", str(tmp_path)]))
+    assert "nproc" not in yaml.safe_load(written.read_text())
+    readme = (Path(t.__file__).parent / "README.md").read_text(encoding="utf-8").splitlines()
+    assert "(`--nproc` and torchrun's flags are not in it)" in next(r for r in readme if "`config.yaml`" in r)
+
+
 def test_a_repeat_into_another_folder_writes_there_what_the_first_run_wrote_in_its_own(tmp_path):
     first = t.parse_args(["--output-dir", str(tmp_path / "m1"), "--metrics-file", str(tmp_path / "m1" / "m.jsonl"),
                           "--eval-file", str(tmp_path / "held.txt")])  # fmt: skip

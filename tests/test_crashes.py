@@ -102,3 +102,28 @@ def test_a_full_disk_under_the_metrics_file_ends_every_rank_with_one_line(tmp_pa
     assert len(errors) == 1 and "could not write the metrics file" in errors[0] and "File too large" in errors[0]
     assert SCRIPT.name + '", line' not in proc.stdout + proc.stderr
     assert not (tmp_path / "tiny_transformer.pt").exists()
+
+
+def test_a_lost_peer_is_named_by_the_beats_its_ranks_stopped_giving_the_store_not_by_its_address(monkeypatch, capsys):
+    """Two nodes behind one address (a NAT, a name that resolves alike): only the node whose ranks stopped
+    beating in the rendezvous store is named. Here rank 0 beats and rank 1, on the other node, never does."""
+    import torch.distributed as dist
+
+    import llm_ddp_parallel_training as t
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=t.USE_LIBUV)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(server.port))
+    monkeypatch.setattr(t, "NODES", {0: "node 0 (a, 10.0.0.9)", 1: "node 1 (b, 10.0.0.9)"})
+    threading.Thread(target=t.beat, args=(0,), daemon=True).start()
+    assert t.stalled_ranks() == {1}
+    d = t.Dist(0, 0, 2, 1, t.torch.device("cpu"), "gloo", "")
+    reset = RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection reset by peer [10.0.0.9]:41234")
+    assert t.report_failure(reset, t.parse_args([]), d) == 1
+    lost = "error: rank 0 lost contact with node 1 (b, 10.0.0.9), which probably failed first"
+    assert lost in capsys.readouterr().err
+    silent = RuntimeError("[../gloo/transport/tcp/pair.cc:598] Timed out waiting 20000ms for recv operation")
+    assert t.report_failure(silent, t.parse_args([]), d) == 1
+    said = capsys.readouterr().err
+    assert "; node 1 (b, 10.0.0.9) does not answer at all: its host or link is down" in said
+    assert "node 0" not in said

@@ -115,10 +115,11 @@ def printed_as_in_the_readme(output: str, tmp_path: Path) -> str:
     return output.replace(f"{tmp_path}/", "").replace(f"{REPO}/", "/path/to/repo/")
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_the_offline_chat_example_runs_as_the_readme_writes_it(tmp_path):
-    build, show, train = offline_chat_commands(tmp_path)
+    build, show, train, lora = offline_chat_commands(tmp_path)
     assert "--chat-file" in build and "--show-examples" in show[2:] and "--nproc" in train[2:]
+    assert "--finetune" not in lora and "all-linear" in lora  # LoRA, the default, set where it visibly learns
     shown = blocks(section("### Try the chat path offline: a tiny Qwen2"), "")
 
     built = run_cmd(build, timeout=120)
@@ -142,6 +143,13 @@ def test_the_offline_chat_example_runs_as_the_readme_writes_it(tmp_path):
     right = answers.stdout.splitlines().count("right")
     # A random model answers none; the demo's run answers all 8 here. One may fall to another CPU's rounding.
     assert right >= 7, answers.stdout
+
+    adapted = run_cmd(lora, timeout=180)
+    assert_ok(adapted)
+    printed = [line.rstrip() for line in printed_as_in_the_readme(adapted.stdout, tmp_path).splitlines()]
+    for line in shown[3].splitlines():
+        if "tok/s" not in line:
+            assert line in printed, line
 
 
 # The saved folder as a user loads it: transformers alone, each training question through the chat

@@ -12,7 +12,7 @@ import re
 
 import pytest
 import torch
-from conftest import TINY, assert_ok, run_jobs
+from conftest import REPO, TINY, assert_ok, run_jobs
 from probe_worker import run_jobs_with_probes
 
 import llm_ddp_parallel_training as t
@@ -110,6 +110,16 @@ def test_with_several_buckets_an_all_reduce_starts_before_backward_ends_on_every
         for k, inside in steps_of(spans).items():  # step 1 too: torch's DDP keeps one bucket layout (TorchDDP)
             starts = [s["ts"] for s in inside if s["name"] == "all-reduce"]
             assert min(starts) < backward_end(inside), (rank, k)
+
+
+def test_step_1_sends_the_buckets_of_every_later_step_as_the_notebook_and_the_chapter_say(torch_ddp):
+    _, trace, _, _ = torch_ddp
+    for rank, spans in spans_by_rank(trace).items():
+        sent = {k: [s for s in inside if s["name"] == "all-reduce"] for k, inside in steps_of(spans).items()}
+        assert len(sent[1]) == len(sent[2]) > 1, (rank, {k: len(v) for k, v in sent.items()})
+    notebook = "".join("".join(c["source"]) for c in json.loads((REPO / "ddp_walkthrough.ipynb").read_text())["cells"])
+    assert "Step 1 looks like every other step" in notebook
+    assert "(step 1 included: in one layout for the whole run" in (REPO / "docs" / "gradients.md").read_text()
 
 
 def test_ranks_share_one_clock_so_their_steps_overlap(torch_ddp):
