@@ -104,6 +104,9 @@ def test_a_full_disk_under_the_metrics_file_ends_every_rank_with_one_line(tmp_pa
     assert not (tmp_path / "tiny_transformer.pt").exists()
 
 
+STORES: list = []
+
+
 def test_a_lost_peer_is_named_by_the_beats_its_ranks_stopped_giving_the_store_not_by_its_address(monkeypatch, capsys):
     """Two nodes behind one address (a NAT, a name that resolves alike): only the node whose ranks stopped
     beating in the rendezvous store is named. Here rank 0 beats and rank 1, on the other node, never does."""
@@ -112,6 +115,7 @@ def test_a_lost_peer_is_named_by_the_beats_its_ranks_stopped_giving_the_store_no
     import llm_ddp_parallel_training as t
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=t.USE_LIBUV)
+    STORES.append(server)  # beat() goes on for the process's life: its store must not close under it
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(server.port))
     monkeypatch.setattr(t, "NODES", {0: "node 0 (a, 10.0.0.9)", 1: "node 1 (b, 10.0.0.9)"})
