@@ -312,13 +312,6 @@ class RunConfig:
                                   metavar="ADAPTER_DIR")  # fmt: skip
 
 
-# What the teaching core acts on when it runs alone (run_core); the full script acts on every setting.
-CORE_SETTINGS = ("corpus_file", "output_dir", "seed", "seq_len", "pack", "d_model", "n_heads", "n_layers", "dropout",
-                 "batch_size", "max_steps", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "ddp",
-                 "sharding", "bucket_mb", "grad_accum_steps", "loss_normalization", "optimizer", "grad_compression",
-                 "tp", "pp", "pp_schedule", "cp", "backend", "cpu", "timeout_s")  # fmt: skip
-
-
 def settle_defaults(args: argparse.Namespace, typed: set[str]) -> None:
     """The defaults of None, decided once the rest is known, as each flag's help says; `typed`: the
     flags the command line spelt out."""
@@ -355,12 +348,6 @@ class Dist:
     control: dist.ProcessGroup | None = None  # Gloo group for host numbers under NCCL (None: the default group)
     store: dist.Store | None = None  # the rendezvous key-value store the ranks met in
     launch: str | None = None  # this torchrun launch, the same in all its restarts (launch_token)
-    # Model splitting (split_model) lays the ranks out as a grid: dp replicas x pp stages x tp slices x cp
-    # sequence parts, rank = ((dp_rank x pp + pp_rank) x tp + tp_rank) x cp + cp_rank: a group is neighbours.
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    mesh: object | None = None  # the grid as torch's DeviceMesh, whose groups both splits use; None: no split
 
     @classmethod
     def from_process_group(cls) -> Dist:
@@ -388,47 +375,12 @@ class Dist:
     def distributed(self) -> bool:
         return self.backend is not None
 
-    @property
-    def dp(self) -> int:
-        """Data-parallel replicas: ranks holding (and splitting) the same model see different data."""
-        return self.world_size // (self.tp * self.pp * self.cp)
-
-    @property
-    def dp_rank(self) -> int:
-        return self.rank // (self.tp * self.pp * self.cp)
-
-    @property
-    def pp_rank(self) -> int:
-        return self.rank // (self.tp * self.cp) % self.pp
-
-    @property
-    def tp_rank(self) -> int:
-        return self.rank // self.cp % self.tp
-
-    @property
-    def cp_rank(self) -> int:
-        return self.rank % self.cp
-
-    @property
-    def replicas(self) -> int:
-        """Ranks holding the same weights, which average their gradients: the replicas and, within each,
-        its context-parallel ranks (the same example, other tokens)."""
-        return self.dp * self.cp
-
-    @property
-    def seed_offset(self) -> int:
-        """Dropout's stream: one per tensor-parallel group, whose slices compute one replica's activations."""
-        return self.rank // (self.tp * self.cp) * self.cp + self.cp_rank
-
-    @property
-    def replica_dim(self) -> str:
-        """The mesh's dimension of the ranks that average their gradients (replicas): "dp", with --cp "dp_cp"."""
-        return "dp_cp" if self.cp > 1 else "dp"
-
-    def group(self, dim: str) -> dist.ProcessGroup | None:
-        """The ranks that share this rank's place along one dimension of the grid ("dp", "pp", "tp", "cp", or
-        replica_dim)."""
-        return self.mesh.get_group(dim) if self.mesh is not None else None
+    # Under DDP every rank is a replica: it reads its own share of the data (dp of them, this one dp_rank),
+    # averages its gradients with every other rank (replicas, in data_group: the default group, None) and
+    # draws its own dropout (seed_offset).
+    dp = replicas = property(lambda self: self.world_size)
+    dp_rank = seed_offset = property(lambda self: self.rank)
+    data_group = None
 
 
 def launched_by_torchrun() -> bool:
@@ -497,25 +449,7 @@ def setup_distributed(cfg: RunConfig, meet: Callable[[timedelta], tuple] = lambd
     control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
     # Without torchrun's agent store, torch built one from MASTER_ADDR/PORT: take that one.
     store = agent_store or dist.distributed_c10d._get_default_store()
-    return laid_out(Dist(rank, local_rank, world, local_world, device, backend, why, control, store, launch), cfg)
-
-
-def laid_out(d: Dist, cfg: RunConfig) -> Dist:
-    """The ranks as a grid of dp replicas x pp stages x tp slices x cp parts (split_model), when the model is split."""
-    if cfg.tp * cfg.pp * cfg.cp == 1 or not d.distributed:
-        return d
-    if d.world_size % (cfg.tp * cfg.pp * cfg.cp):
-        split = f"--tp {cfg.tp} x --pp {cfg.pp}" + (f" x --cp {cfg.cp}" if cfg.cp > 1 else "")
-        raise UsageError(f"{split} does not divide the {d.world_size} ranks into replicas")
-    from torch.distributed.device_mesh import init_device_mesh
-
-    shape = (d.world_size // (cfg.tp * cfg.pp * cfg.cp), cfg.pp, cfg.tp, cfg.cp)
-    mesh = init_device_mesh(d.device.type, shape, mesh_dim_names=("dp", "pp", "tp", "cp"))
-    if cfg.cp > 1:  # the replicas and their cp ranks hold the same weights: one group averages their gradients
-        mesh["dp", "cp"]._flatten("dp_cp")
-    if cfg.tp > 1 and cfg.pp > 1:  # a replica's stages and slices: one group adds up its gradient norm
-        mesh["pp", "tp"]._flatten("pp_tp")
-    return replace(d, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, mesh=mesh)
+    return Dist(rank, local_rank, world, local_world, device, backend, why, control, store, launch)
 
 
 def teardown_distributed() -> None:
@@ -722,8 +656,7 @@ def make_train_loader(
     dataset: Dataset, cfg: RunConfig, d: Dist, collate: Callable[[list], tuple] = trim_padding
 ) -> tuple[DataLoader, DistributedSampler]:
     # Every rank builds the same permutation (seed, epoch) and keeps every dp-th index from its own:
-    # disjoint shards covering the data; drop_last trims instead of repeating examples. A split model's
-    # ranks (tensor slices, pipeline stages) all read their replica's shard.
+    # disjoint shards covering the data; drop_last trims instead of repeating examples.
     sampler = LeanDistributedSampler(dataset, num_replicas=d.dp, rank=d.dp_rank, shuffle=True, seed=cfg.seed,
                                      drop_last=True)  # fmt: skip
     per_step = cfg.batch_size * cfg.grad_accum_steps
@@ -787,13 +720,13 @@ class CausalSelfAttention(nn.Module):
         self.head_dim, self.dropout = c.d_model // c.n_heads, c.dropout
         self.qkv = nn.Linear(c.d_model, 3 * c.d_model, bias=False)
         self.proj = nn.Linear(c.d_model, c.d_model, bias=False)
-        self.own_dropout = contextlib.nullcontext  # TensorParallel: its own heads, its own mask
-        # is_causal masks every j > i: a token never sees the bytes it must predict (ContextParallel: a ring's)
+        self.own_dropout = contextlib.nullcontext  # (where a rank computes some heads only: its own mask for them)
+        # is_causal masks every j > i: a token never sees the bytes it must predict
         self.attend = functools.partial(F.scaled_dot_product_attention, is_causal=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        # As many heads as qkv gives: all of them, or under tensor parallelism this rank's share.
+        # As many heads as qkv gives: all of them here.
         q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in self.qkv(x).chunk(3, dim=2))
         with self.own_dropout():
             y = self.attend(q, k, v, dropout_p=self.dropout if self.training else 0.0)
@@ -833,15 +766,19 @@ class TinyTransformer(nn.Module):
                 nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        # A pipeline stage (Pipeline) is this model with the other stages' parts taken out: only the
-        # first embeds token ids, only the last ends in the head; the others pass hidden states on.
-        # `positions`: each token's place in its example (ContextParallel: a rank holds two pieces of it).
-        if self.tok_emb is not None:
-            at = torch.arange(x.shape[1], device=x.device) if positions is None else positions
-            x = self.drop(self.tok_emb(x) + self.pos_emb(at))
+        # `positions`: each token's place in its example, where a rank holds pieces of one (else 0 .. T-1)
+        at = torch.arange(x.shape[1], device=x.device) if positions is None else positions
+        x = self.drop(self.tok_emb(x) + self.pos_emb(at))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x)) if self.head is not None else x
+        return self.head(self.ln_f(x))
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross-entropy over the real (non-padding) targets."""
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
 
 
 @dataclass
@@ -861,8 +798,8 @@ class ModelKit:
     collate: Callable[[list], tuple] = trim_padding  # how a micro-batch's rows are stacked
     data_report: str = ""  # what became of the records on the way to examples
     loss_module: nn.Module | None = None  # what DDP wraps and `loss` runs, if not the model (LeanHeadLoss)
-    blocks: list[nn.Module] = field(default_factory=list)  # the Transformer blocks: FSDP's units
-    split: object | None = None  # a model that arrives split, as transformers' tp_plan loads it (PlannedTensorParallel)
+    blocks: list[nn.Module] = field(default_factory=list)  # the Transformer blocks (a sharded layout's units)
+    split: object | None = None  # how a later section cuts the model over a replica's ranks (or its loader did)
     # What the full script adds (tiny_kit, build_pretrained_kit):
     sample: Callable[[nn.Module, str], str] | None = None  # (unwrapped model, prompt) -> text
     flops_per_token: float = 0.0  # training FLOPs per token, for MFU
@@ -929,55 +866,77 @@ def atomic_write(path: Path, data: bytes) -> None:
 DDP_TAKES = inspect.signature(DDP.__init__).parameters
 
 
-def wrap_data_parallel(model: nn.Module, cfg: RunConfig, d: Dist, stats: CommStats,
-                       split: ModelSplit | None = None) -> nn.Module:  # fmt: skip
+def wrap_data_parallel(model: nn.Module, cfg: RunConfig, d: Dist, stats: CommStats) -> Wrapper | TorchDDP:
     if not d.distributed or d.replicas == 1:
-        return Wrapper(model, split)  # one process (a group of one too), or one split model: nothing to average
+        return Wrapper(model)  # one process (a group of one too): nothing to average
     if cfg.ddp == "manual":
-        return ManualDDP(model, d, cfg.bucket_mb, stats, split)
-    # torch's DDP broadcasts rank 0's parameters to all ranks now, then hooks every parameter:
-    # during backward, finished gradients fill buckets that are all-reduced (averaged) while the
-    # rest of backward still runs, so every rank ends the step with the same gradient.
-    ddp = TorchDDP(
-        model,
-        process_group=d.group(d.replica_dim),  # under model splitting: the replicas of this rank's slice
-        device_ids=[d.device.index] if d.device.type == "cuda" else None,
-        bucket_cap_mb=cfg.bucket_mb,
-        find_unused_parameters=True,  # one bucket layout for the whole run, ManualDDP's: see TorchDDP
-        # .grad is a view into its bucket: no copy back out (while the loop zeroes .grad, never sets None)
-        gradient_as_bucket_view=True,
-        # Buffers never change here (rotary frequencies are fixed): nothing to re-send (renamed in torch 2.13)
-        **{"forward_sync_buffers" if "forward_sync_buffers" in DDP_TAKES else "broadcast_buffers": False},
-    )
-    ddp.register_comm_hook((ddp.process_group, stats), counting_allreduce_hook)
-    ddp.split = split or ModelSplit()
-    return ddp
+        return ManualDDP(model, d, cfg.bucket_mb, stats)
+    return TorchDDP.wrap(model, cfg, d, stats)
 
 
-def counting_allreduce_hook(state, bucket):  # no annotations: DDP checks them, and rejects strings
-    """torch DDP's own all-reduce over DDP's group (state: that group, and the run's CommStats), after writing
-    the bucket down; with compression, torch's bf16 hook (each gradient rounded by up to 2^-8 of itself before
-    the sum: docs/gradients.md). Given None, torch's hooks would reduce over every rank, whatever DDP's group."""
-    group, stats = state
-    buffer = bucket.buffer()
-    wire_bytes = buffer.numel() * (2 if stats.compress else buffer.element_size())
-    stats.record(bucket.index(), wire_bytes, bucket.parameters(), bucket.gradients())
-    if stats.compress:
-        future = default_hooks.bf16_compress_hook(group, bucket)
-    else:
-        future = default_hooks.allreduce_hook(group, bucket)
-    wire_dtype = torch.bfloat16 if stats.compress else buffer.dtype
-    args = {"bucket": bucket.index(), "bytes": wire_bytes, "dtype": str(wire_dtype).removeprefix("torch.")}
-    return stats.traced(future, "all-reduce", args)
+class CommStats:
+    """Where the wrappers say what they send, as they send it: record, a gradient bucket about to be all-reduced
+    (nbytes on the wire; grads, this rank's own); count, a collective of another kind (an all-gather of weights, a
+    send to another rank); traced, a collective's future as its caller waits for it; span, point-to-point work from
+    mark() to now; end_step, the step's bucket all-reduces as (calls, bytes). Here they go nowhere: it carries only
+    --grad-compression (bf16 buckets: half the bytes). The full script's Traffic counts them and draws them."""
+
+    def __init__(self, compress: bool = False) -> None:
+        self.compress = compress
+
+    def record(self, index: int, nbytes: int, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None: ...
+
+    def count(self, kind: str, nbytes: int) -> None: ...
+
+    def traced(self, future: torch.futures.Future, name: str, args: dict) -> torch.futures.Future:
+        return future
+
+    def mark(self) -> object: ...
+
+    def span(self, name: str, start: object, args: dict) -> None: ...
+
+    def end_step(self) -> tuple[int, int]:
+        return 0, 0
+
+
+@dataclass
+class MicroStep:
+    """One micro-batch's forward and backward, as every layout runs them: the kit's loss under `autocast`
+    (its value through `spoil`, which a fault on purpose may spoil), backward through fp16's GradScaler
+    when there is one; `mark` notes where the step has got to."""
+
+    kit: ModelKit
+    device: torch.device
+    autocast: Callable[[], contextlib.AbstractContextManager]
+    spoil: Callable[[torch.Tensor], torch.Tensor]
+    mark: Callable[[str], None]
+    scaler: torch.amp.GradScaler | None = None
+
+    def forward(self, model: nn.Module, batch: tuple) -> torch.Tensor:
+        with self.autocast():
+            loss = self.spoil(self.kit.loss(model, *batch))
+        self.mark("forward")
+        return loss
+
+    def backward(self, scaled: torch.Tensor) -> None:
+        (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+        self.mark("backward")
 
 
 class Layout:
-    """How a wrapper lays the model out over the ranks, answered for the rest of the script: here as every
-    rank holding all the weights (or its TensorParallel slice); FSDP and the Pipeline answer otherwise."""
+    """How the model sits on the ranks, as the loop and the save ask it: here DDP's answers (every rank holds
+    the whole model and computes every example of its share); the layouts of sharding (section 7) and model
+    splitting (section 8) answer otherwise."""
 
-    gathers_in_forward = False  # a forward is a collective every rank must join (FSDP)
-    all_reduces_buckets = True  # gradients travel in DDP's buckets (not FSDP's, nor a split model's alone)
-    split: ModelSplit  # how the model is split across the ranks of one replica (split_model)
+    loss_share = example_share = 1.0  # how much of this rank's loss (and examples) the global sums count: all
+    fused_optimizer = True  # AdamW's one kernel over every tensor (False: a layout of tensors it cannot mix)
+    rank0_holds_all = True  # rank 0's own model is whole: saving it gathers nothing
+    all_reduces_buckets = True  # its gradients travel in DDP's buckets
+    gathers_in_forward = False  # a forward is a collective every rank must join (not under DDP)
+
+    def local_batch(self, batch: tuple) -> tuple:
+        """What of a micro-batch this rank computes: all of it."""
+        return batch
 
     def forward_backward(self, micro_batches: list[tuple], scales: list[float], micro: MicroStep) -> torch.Tensor:
         """The step's micro-batches through forward and backward, the first k-1 inside no_sync() (no
@@ -988,7 +947,7 @@ class Layout:
                 micro_loss = micro.forward(self, batch)
                 micro.backward(micro_loss * scales[i])
             loss_sum += micro_loss.detach()
-        return loss_sum * self.split.loss_share  # under tensor parallelism every slice computed this loss
+        return loss_sum * self.loss_share
 
     def finish_gradient_sync(self) -> None:
         """Wait for the gradient sync: torch's DDP already did, inside backward()."""
@@ -997,71 +956,52 @@ class Layout:
         """A held-out batch's loss sum, through the unwrapped model: no DDP hooks, no collective of DDP's."""
         return kit.loss(kit.trained, *batch)
 
+    def after_evaluation(self) -> None:
+        """A forward without backward has run (the held-out loss)."""
+
+    def local_grads(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        """The gradients as this rank holds them: every one whole."""
+        return [p.grad for p in params if p.grad is not None]
+
+    def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """The whole gradient's 2-norm: every rank holds all of it, averaged, so each finds the same norm."""
+        squares = (torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in self.local_grads(params))
+        return sum(squares, torch.zeros((), device=params[0].device)).sqrt()
+
     def clip_gradients(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
         """The whole gradient's norm, identical on every rank, so all clip alike to max_norm (when set)."""
-        norm = global_grad_norm(*self.norm_parts(params))
-        if max_norm:  # on the device, no wait for it; each rank scales what it holds (a DTensor's local part)
-            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            torch._foreach_mul_([local_part(p.grad) for p in params if p.grad is not None], coef)
+        norm = self.grad_norm(params)
+        if max_norm:  # on the device, no wait for it; each rank scales what it holds
+            torch._foreach_mul_(self.local_grads(params), (max_norm / (norm + 1e-6)).clamp(max=1.0))
         return norm
 
-    def norm_parts(self, params: list[nn.Parameter]) -> tuple[list, list, dist.ProcessGroup | None]:
-        """For global_grad_norm: (this rank's own parts, the parts every rank holds alike, the own parts' group)."""
-        return self.split.norm_parts(params)
-
-    # What the rest of the script asks of every layout to save, load and check the whole model's state
-    # (whole_state_dict here; rank0_state and load_state below the banner), whatever the layout.
-    @property
-    def rank0_holds_all(self) -> bool:
-        """Whether rank 0's own model is whole (the final save then needs no gathering)."""
-        return self.split.holds_all
-
+    # What saving asks of every layout, to write the whole model's state whatever the layout (whole_state_dict
+    # here; the checkpoints below the banner): under DDP rank 0 holds every tensor whole, and sends it alone.
     def whole_tensor(self, name: str, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """The whole of t (p, or its Adam moment), cut as parameter `name` is: a collective where it is cut."""
-        return self.split.whole(name, t) if t.dim() else t
+        return t
 
     def tensor_part(self, name: str, p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
         """This rank's part of a whole tensor cut as parameter `name` (p) is cut: whole_tensor undone."""
-        return self.split.part(name, whole, p) if whole.dim() else whole
+        return whole
 
     def sends_to_rank0(self, d: Dist) -> bool:
-        """Whether what this rank gathers goes to rank 0 (join_stages): here rank 0's alone."""
+        """Whether what this rank gathers goes to rank 0 (gather_to_rank0)."""
         return d.is_main
 
-    def join_stages(self, d: Dist, mine: object) -> list | None:
-        """Every stage's `mine` on rank 0 (None elsewhere): here one stage holds the whole model."""
+    def gather_to_rank0(self, d: Dist, mine: object) -> list | None:
+        """Every part of the model's `mine` that rank 0 joins into the whole (None elsewhere): here its own."""
         return [mine] if d.is_main else None
-
-    def held_alike(self, name: str, p: nn.Parameter) -> bool:
-        """Whether every rank holds parameter `name` (p) bit for bit: not a tensor-parallel slice."""
-        return not self.split.sliced(name)
-
-    def ownership(self, named_params: list, optimizer: torch.optim.Optimizer) -> list[str]:
-        """What this rank alone keeps (--inspect): under ZeRO-1, whose optimizer state."""
-        if holds_a_share(optimizer):
-            return describe_optimizer_share(named_params, optimizer)
-        return self.split.ownership(named_params)
-
-    def gradient_buffers(self) -> list[torch.Tensor]:
-        """Gradient memory beyond the parameters' .grad (the memory table)."""
-        return []
-
-    def after_evaluation(self) -> None:
-        """A forward without backward has run (the held-out loss)."""
 
 
 class Wrapper(Layout, nn.Module):
     """The wrapped module and no_sync() for accumulation: the from-scratch wrappers' base, and on
     its own one plain process's, which has nothing to synchronise."""
 
-    def __init__(self, module: nn.Module, split: ModelSplit | None = None) -> None:
+    def __init__(self, module: nn.Module) -> None:
         super().__init__()
-        self.module, self.split = module, split or ModelSplit()
+        self.module = module
         self.require_sync = True  # False inside no_sync(): gradients accumulate, nothing travels
-
-    @property
-    def all_reduces_buckets(self) -> bool:
-        return self.split.holds_all  # one process: none, counted as none; a model split over every rank: none
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -1076,43 +1016,41 @@ class Wrapper(Layout, nn.Module):
 
 
 class TorchDDP(DDP, Layout):
-    """torch's DistributedDataParallel, in one bucket layout for the whole run: left alone, the reducer
-    rebuilds its buckets after step 1, and at 3+ ranks Gloo's ring then adds in another order (and a
-    resumed run in yet another). Looking for unused parameters, it never rebuilds and buckets as ManualDDP."""
+    """torch's DistributedDataParallel. find_unused_parameters=True keeps one bucket layout for the whole run: left
+    alone, the reducer rebuilds its buckets after step 1, and at 3+ ranks Gloo's ring then adds in another order
+    (a resumed run in yet another); searching for unused parameters, it never rebuilds, and buckets as ManualDDP."""
 
-    split: ModelSplit | None = None  # set by wrap_data_parallel
-    searched = False  # has a synced forward looked for unused parameters yet
+    @classmethod
+    def wrap(cls, model: nn.Module, cfg: RunConfig, d: Dist, stats: CommStats) -> TorchDDP:
+        # torch's DDP broadcasts rank 0's parameters to all ranks now, then hooks every parameter:
+        # during backward, finished gradients fill buckets that are all-reduced (averaged) while the
+        # rest of backward still runs, so every rank ends the step with the same gradient.
+        ddp = cls(
+            model,
+            process_group=d.data_group,
+            device_ids=[d.device.index] if d.device.type == "cuda" else None,
+            bucket_cap_mb=cfg.bucket_mb,
+            find_unused_parameters=True,  # one bucket layout for the whole run (above)
+            # .grad is a view into its bucket: no copy back out (while the loop zeroes .grad, never sets None)
+            gradient_as_bucket_view=True,
+            # Buffers never change here (rotary frequencies are fixed): nothing to re-send (renamed in torch 2.13)
+            **{"forward_sync_buffers" if "forward_sync_buffers" in DDP_TAKES else "broadcast_buffers": False},
+        )
+        ddp.register_comm_hook((ddp.process_group, stats), allreduce_hook)
+        return ddp
 
-    def _post_forward(self, output: object) -> object:  # where torch 2.13's DDP searches, after the model ran
-        if self.searched or not (self.require_backward_grad_sync and torch.is_grad_enabled()):
-            return super()._post_forward(output)
-        self.searched = True  # the first search warns, once a process, that it found none: expected here
-        with without_stderr_lines("find_unused_parameters=True was specified"):
-            return super()._post_forward(output)
 
-
-@contextlib.contextmanager
-def without_stderr_lines(text: str) -> Iterator[None]:
-    """Run the block with file descriptor 2 caught (C++ writes there, past Python's warnings filters), then
-    write back every line but those holding text. Only around code that cannot crash: its lines would go."""
-    sys.stderr.flush()
-    try:
-        caught = tempfile.TemporaryFile()  # noqa: SIM115 (closed by the with below)
-    except OSError:  # nowhere to catch it: the line shows, the run goes on
-        yield
-        return
-    saved = os.dup(2)
-    with caught:
-        os.dup2(caught.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            caught.seek(0)
-            with contextlib.suppress(OSError):  # a closed stderr (the launcher gone) must not mask the block's error
-                os.write(2, b"".join(line for line in caught if text.encode() not in line))
+def allreduce_hook(state, bucket):  # no annotations: DDP checks them, and rejects strings
+    """torch DDP's own all-reduce over DDP's group (state: that group, and the run's CommStats), or with
+    --grad-compression torch's bf16 one (each gradient rounded by up to 2^-8 of itself before the sum:
+    docs/gradients.md). Given None for the group, torch's hooks would reduce over every rank."""
+    group, stats = state
+    buffer = bucket.buffer()
+    nbytes = buffer.numel() * (2 if stats.compress else buffer.element_size())
+    stats.record(bucket.index(), nbytes, bucket.parameters(), bucket.gradients())
+    future = (default_hooks.bf16_compress_hook if stats.compress else default_hooks.allreduce_hook)(group, bucket)
+    dtype = "bfloat16" if stats.compress else str(buffer.dtype).removeprefix("torch.")
+    return stats.traced(future, "all-reduce", {"bucket": bucket.index(), "bytes": nbytes, "dtype": dtype})
 
 
 @dataclass(eq=False)
@@ -1124,6 +1062,10 @@ class Bucket:
     ready: int = 0
     arrival: torch.futures.Future | None = None  # the all-reduce in flight; wait() returns once the sum is here
     wire: torch.Tensor | None = None  # what travels: flat itself, or its bf16 copy
+
+    def views(self) -> list[torch.Tensor]:
+        """Each parameter's gradient, as it lies in flat."""
+        return [self.flat[o : o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets, strict=True)]
 
 
 def start_equal(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
@@ -1142,16 +1084,12 @@ class ManualDDP(Wrapper):
     3. During backward, a hook on each parameter copies its finished gradient into its bucket;
        when a bucket's last gradient arrives, it is divided by the world size (a sum of averages
        cannot overflow) and its all-reduce starts asynchronously, overlapping the rest of backward.
-    4. finish_gradient_sync(): wait for every bucket, copy the averages back into .grad. Under model
-       splitting (split_model) the replicas are the ranks of the data-parallel group.
+    4. finish_gradient_sync(): wait for every bucket, copy the averages back into .grad.
     """
 
-    all_reduces_buckets = True
-
-    def __init__(self, module: nn.Module, d: Dist, bucket_mb: float, stats: CommStats,
-                 split: ModelSplit | None = None) -> None:  # fmt: skip
-        super().__init__(module, split)
-        self.world_size, self.stats, self.group = d.replicas, stats, d.group(d.replica_dim)
+    def __init__(self, module: nn.Module, d: Dist, bucket_mb: float, stats: CommStats) -> None:
+        super().__init__(module)
+        self.world_size, self.stats, self.group = d.replicas, stats, d.data_group
         start_equal(module, self.group)
         self.buckets: list[Bucket] = []
         self.place: dict[nn.Parameter, tuple[Bucket, int]] = {}
@@ -1186,36 +1124,25 @@ class ManualDDP(Wrapper):
         bucket.flat[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
-            local = [
-                bucket.flat[o : o + q.numel()].view_as(q) for q, o in zip(bucket.params, bucket.offsets, strict=True)
-            ]
             bucket.wire = bucket.flat.to(torch.bfloat16) if self.stats.compress else bucket.flat
             bucket.wire.div_(self.world_size)  # all_reduce sums; DDP's contract is the average
-            nbytes = bucket.wire.numel() * bucket.wire.element_size()
-            self.stats.record(bucket.index, nbytes, bucket.params, local)
+            self.stats.record(bucket.index, bucket.wire.nbytes, bucket.params, bucket.views())
             work = dist.all_reduce(bucket.wire, async_op=True, group=self.group)
-            args = {"bucket": bucket.index, "bytes": nbytes, "dtype": str(bucket.wire.dtype).removeprefix("torch.")}
-            bucket.arrival = self.stats.traced(work.get_future(), "all-reduce", args)
+            label = {"bucket": bucket.index, "bytes": bucket.wire.nbytes, "dtype": str(bucket.wire.dtype)[6:]}
+            bucket.arrival = self.stats.traced(work.get_future(), "all-reduce", label)
 
     def finish_gradient_sync(self) -> None:
         for bucket in self.buckets:
             if bucket.arrival is None:
-                missing = [self.stats.name_of[id(p)] for p in bucket.params if p.grad is None]
+                names = {p: name for name, p in self.module.named_parameters()}
+                missing = [names[p] for p in bucket.params if p.grad is None]
                 raise TrainingError(f"a gradient bucket never filled: no gradient for {', '.join(missing) or '?'}")
             bucket.arrival.wait()
             if bucket.wire is not bucket.flat:
                 bucket.flat.copy_(bucket.wire)
-            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
-                p.grad.copy_(bucket.flat[offset : offset + p.numel()].view_as(p))
+            for p, view in zip(bucket.params, bucket.views(), strict=True):
+                p.grad.copy_(view)
             bucket.ready, bucket.arrival, bucket.wire = 0, None, None
-
-    def gradient_buffers(self) -> list[torch.Tensor]:
-        return [bucket.flat for bucket in self.buckets]  # a second copy of the gradients (torch's .grad is a view)
-
-
-def local_part(t: torch.Tensor) -> torch.Tensor:
-    """The slice of a tensor this rank holds: a DTensor's local shard (fully_shard), else the tensor."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def kept(t: torch.Tensor, keep: bool) -> torch.Tensor | None:
@@ -1232,72 +1159,8 @@ def whole_state_dict(model: Layout, d: Dist, raw: nn.Module) -> dict | None:
     for name, t in named.items():
         if id(t) not in whole:  # tied weights are one tensor: gathered once, saved as one
             whole[id(t)] = kept(model.whole_tensor(name, t, t.detach()), keep)
-    stages = model.join_stages(d, {name: whole[id(t)] for name, t in named.items()})
-    return {name: t for stage in stages for name, t in stage.items()} if d.is_main else None
-
-
-class CommStats:
-    """Counts every collective the wrappers start, by kind and per optimizer step (accumulation's k-1 silent
-    micro-steps send nothing), and for --inspect keeps the local gradients."""
-
-    def __init__(self, model: nn.Module, compress: bool) -> None:
-        self.model = model
-        self.compress = compress  # --grad-compression bf16: send bf16, half the bytes
-        self.moved: dict[str, list[int]] = {}  # kind -> [calls, bytes], this rank's, over the attempt's steps
-        self.counting = False  # in a training step's collectives (not evaluation's): set by the side work
-        self.steps = 0
-        self.calls = 0
-        self.bytes = 0
-        self.step_layout: dict[int, tuple[int, list[str]]] = {}
-        self.layout: list[tuple[int, list[str]]] = []  # per bucket: (bytes, parameter names)
-        self.local_grads: dict[str, torch.Tensor] | None = None  # set to {} to capture one step
-        self.timeline: Any = None  # --trace-steps: a Timeline, on which each collective becomes a span
-
-    @functools.cached_property
-    def name_of(self) -> dict[int, str]:  # at the first bucket: after tensor parallelism made its parameters
-        return {id(p): name for name, p in self.model.named_parameters()}
-
-    def count(self, kind: str, nbytes: int) -> None:
-        if not self.counting:
-            return
-        moved = self.moved.setdefault(kind, [0, 0])
-        moved[0], moved[1] = moved[0] + 1, moved[1] + nbytes
-
-    def record(self, index: int, nbytes: int, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-        self.calls += 1
-        self.bytes += nbytes
-        self.count("all-reduce of gradient buckets", nbytes)
-        self.step_layout[index] = (nbytes, [self.name_of[id(p)] for p in params])
-        if self.local_grads is not None:  # the gradient this rank computed, before averaging
-            for p, g in zip(params, grads, strict=True):
-                self.local_grads[self.name_of[id(p)]] = g.detach().clone()
-
-    def traced(self, future: torch.futures.Future, name: str, args: dict) -> torch.futures.Future:
-        """The collective's future, a span of the timeline's (--trace-steps) from now until it arrives."""
-        if self.timeline is None or not self.timeline.on:
-            return future
-        return self.timeline.collective(name, future, args)
-
-    def mark(self) -> object:
-        """Now on the timeline's clock while it traces, else None: where a span of sends or receives starts."""
-        return self.timeline.now() if self.timeline is not None and self.timeline.on else None
-
-    def span(self, name: str, start: object, args: dict) -> None:
-        """A span from `start` (mark) to now: for point-to-point work, which has no future to wait on."""
-        if start is not None and self.timeline.on:
-            self.timeline.pending.append((name, start, self.timeline.now(), args))
-
-    def per_step(self) -> dict[str, tuple[float, float]]:
-        """Each kind of collective this rank started: (calls, bytes) per optimizer step."""
-        return {kind: (calls / self.steps, nbytes / self.steps) for kind, (calls, nbytes) in self.moved.items()}
-
-    def end_step(self) -> tuple[int, int]:
-        """Close the optimizer step: return (all-reduce calls, bytes) and note the bucket layout."""
-        calls, nbytes = self.calls, self.bytes
-        self.calls, self.bytes, self.steps = 0, 0, self.steps + 1
-        if self.step_layout:
-            self.layout, self.step_layout = [self.step_layout[i] for i in sorted(self.step_layout)], {}
-        return calls, nbytes
+    parts = model.gather_to_rank0(d, {name: whole[id(t)] for name, t in named.items()})
+    return {name: t for part in parts for name, t in part.items()} if d.is_main else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1305,59 +1168,20 @@ class CommStats:
 # ----------------------------------------------------------------------------------------------
 
 
-def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropy over the real (non-padding) targets."""
-    return F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-
-
 def loss_scale(cfg: RunConfig, d: Dist, micro_tokens: int, global_tokens: float) -> float:
     """What each micro-step's token-loss *sum* is multiplied by before backward.
 
-    global-tokens: world_size / global_tokens. DDP averages (divides by world_size), so the
-      gradient is exactly that of sum(every token loss) / global_tokens: the mean over every
-      target token of the global batch, whatever the split across ranks and micro-steps. (Under
-      model splitting DDP averages over the ranks holding the same weights only: d.replicas.)
-    mean-of-means: 1 / (micro_tokens * k), micro_tokens the replica's own. Each micro-batch's own
-      mean, averaged over micro-steps and then over replicas: a token in a short micro-batch weighs
-      more than one in a long one. (Under --cp a replica's d.replicas / d.dp ranks each hold part of
-      its loss and are averaged with the rest: each adds its part to the replica's mean.)
+    global-tokens: replicas / global_tokens. DDP averages over the replicas (divides by their number),
+      so the gradient is exactly that of sum(every token loss) / global_tokens: the mean over every
+      target token of the global batch, whatever the split across ranks and micro-steps.
+    mean-of-means: 1 / (micro_tokens * k). Each micro-batch's own mean, averaged over micro-steps
+      and then over ranks: a token in a short micro-batch weighs more than one in a long one.
+      (replicas / dp is 1 under DDP; where a replica's loss is computed in parts by several of its
+      ranks, each adds its part to the replica's mean.)
     """
     if cfg.loss_normalization == "global-tokens":
         return d.replicas / global_tokens
     return d.replicas / d.dp / (micro_tokens * cfg.grad_accum_steps)
-
-
-def global_grad_norm(own: list[torch.Tensor], alike: list[torch.Tensor], group: object) -> torch.Tensor:
-    """The whole gradient's 2-norm, the same on every rank, for every layout: the squares of this rank's own
-    parts (slices, shards, stages) summed over the group, plus those every rank holds alike (norm_parts)."""
-    device = next((g.device for g in [*own, *alike]), torch.device("cpu"))
-    squares = [sum((torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in part),
-                   torch.zeros((), device=device)) for part in (own, alike)]  # fmt: skip
-    if own:
-        dist.all_reduce(squares[0], group=group)
-    return (squares[0] + squares[1]).sqrt()
-
-
-@dataclass
-class MicroStep:
-    """One micro-batch's forward and backward, as every layout runs them: the kit's loss under the hooks'
-    autocast, backward through fp16's GradScaler when there is one."""
-
-    kit: ModelKit
-    hooks: Hooks
-    device: torch.device
-
-    def forward(self, model: nn.Module, batch: tuple) -> torch.Tensor:
-        with self.hooks.autocast():
-            loss = self.hooks.loss(self.kit.loss(model, *batch))  # a NaN here under --inject-fault R:S:nan
-        self.hooks.mark("forward")
-        return loss
-
-    def backward(self, scaled: torch.Tensor) -> None:
-        (self.hooks.scaler.scale(scaled) if self.hooks.scaler else scaled).backward()
-        self.hooks.mark("backward")
 
 
 class Hooks:
@@ -1369,8 +1193,12 @@ class Hooks:
     def autocast(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()  # forward in fp32
 
+    def comm_stats(self, compress: bool) -> CommStats:
+        """Where the wrappers say what they send (here, nowhere)."""
+        return CommStats(compress)
+
     def before_wrap(self, kit: ModelKit, stats: CommStats) -> None:
-        """The model is split but not wrapped: gradient hooks registered now run before the wrapper's."""
+        """The model is about to be wrapped: gradient hooks registered now run before the wrapper's."""
 
     def start(self, model: Layout, named_params: list, optimizer: torch.optim.Optimizer,
               sampler: DistributedSampler, steps_per_epoch: int) -> Progress:  # fmt: skip
@@ -1439,24 +1267,16 @@ def warmup_steps(cfg: RunConfig) -> int:
     return max(1, int(cfg.max_steps * WARMUP_SHARE))
 
 
-def make_optimizer(cfg: RunConfig, d: Dist, params: list[nn.Parameter], stats: CommStats) -> torch.optim.Optimizer:
+def make_optimizer(cfg: RunConfig, d: Dist, model: Layout, params: list[nn.Parameter],
+                   stats: CommStats) -> torch.optim.Optimizer:  # fmt: skip
     if cfg.optimizer == "sgd":
         # Plain SGD moves weights by exactly lr x gradient: a gradient off by a factor shows at once.
         kind, options = torch.optim.SGD, {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
-    else:  # fused: one kernel for every tensor (5x faster on CPU); not under tensor parallelism, whose
-        # DTensor slices beside whole tensors one fused call cannot mix (both kinds loop, to stay equal)
+    else:  # fused: one kernel for every tensor (5x faster on CPU), where the layout's tensors allow it
         kind, options = torch.optim.AdamW, {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
-        options |= {"fused": True} if d.tp == 1 else {"fused": False, "foreach": False}
-    if cfg.sharding == "optimizer" and d.distributed:
-        if cfg.ddp == "manual":
-            optimizer = ShardedOptimizer(params, kind, **options)
-            optimizer.stats = stats  # its broadcasts of updated weights count among the run's collectives
-            return optimizer
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        return ZeroRedundancyOptimizer(params, optimizer_class=kind, **options)
-    # Under --sharding full the parameters are shards already: a plain optimizer keeps 1/N state.
-    return kind(params, **options)
+        options |= {"fused": True} if model.fused_optimizer else {"fused": False, "foreach": False}
+    shared = (make(cfg, d, kind, options, params, stats) for maker in LAYOUT_MAKERS if (make := maker.optimizer))
+    return next(filter(None, shared), None) or kind(params, **options)  # (sharding's optimizer, section 7)
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
@@ -1483,14 +1303,12 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, hooks: Hooks | None = None) ->
     as trained (wrapped, sharded or split) and where it got."""
     hooks = hooks or Hooks()
     loader, sampler = make_train_loader(kit.train, cfg, d, kit.collate)
-    stats = CommStats(kit.model, compress=cfg.grad_compression == "bf16")
-    split = split_model(kit, cfg, d, stats)  # tensor parallelism makes new parameters: before any hook
-    hooks.before_wrap(kit, stats)
-    model = wrap_model(kit, cfg, d, stats, split)
-    named_params = trainable_parameters(kit.model)  # again: torch's fully_shard replaces every parameter
+    stats = hooks.comm_stats(cfg.grad_compression == "bf16")
+    model = lay_out(kit, cfg, d, stats, hooks)  # DDP, or a later section's layout
+    named_params = trainable_parameters(kit.model)  # again: a sharded layout may replace every parameter
     params = [p for _, p in named_params]
-    optimizer = make_optimizer(cfg, d, params, stats)
-    micro = MicroStep(kit, hooks, d.device)
+    optimizer = make_optimizer(cfg, d, model, params, stats)
+    micro = MicroStep(kit, d.device, hooks.autocast, hooks.loss, hooks.mark, hooks.scaler)
     steps_per_epoch = len(loader) // cfg.grad_accum_steps
     progress = hooks.start(model, named_params, optimizer, sampler, steps_per_epoch)
     model.train()
@@ -1498,15 +1316,15 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, hooks: Hooks | None = None) ->
     while progress.step < cfg.max_steps:
         step, started = progress.step + 1, time.perf_counter()
         hooks.begin_step(step)
-        batches = next(stream)  # the replica's micro-batches, whole
-        cpu_batches = [model.split.own_part(batch) for batch in batches]  # under --cp: this rank's tokens
+        batches = next(stream)  # this rank's micro-batches (its replica's, where ranks share one)
+        cpu_batches = [model.local_batch(batch) for batch in batches]  # what of them this rank computes: all
         # Count target tokens while the batch is still on the CPU: on a GPU it would be a sync.
         micro_tokens = [int((batch[1] != IGNORE_INDEX).sum()) for batch in cpu_batches]
         micro_batches = [tuple(t.to(d.device, non_blocking=True) for t in batch) for batch in cpu_batches]
         hooks.mark("data")
         # One small all-reduce before any backward carries the facts every rank must share: the global
         # token count the loss divides by, and the hooks' votes (a stop request, a failed write).
-        global_tokens, *votes = all_reduce_sum(d, [sum(micro_tokens) * model.split.loss_share, *hooks.shared_votes()])
+        global_tokens, *votes = all_reduce_sum(d, [sum(micro_tokens) * model.loss_share, *hooks.shared_votes()])
         if hooks.should_stop(votes):
             break
         hooks.mark("sync")
@@ -1514,7 +1332,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, hooks: Hooks | None = None) ->
         for group in optimizer.param_groups:
             group["lr"] = lr
         # Forward and backward for each micro-batch (Layout.forward_backward: k-1 inside no_sync(), the
-        # last one's backward all-reducing the sum), or through a pipeline's schedule (Pipeline).
+        # last one's backward all-reducing the sum).
         scales = [loss_scale(cfg, d, int((b[1] != IGNORE_INDEX).sum()), global_tokens) for b in batches]
         loss_sum = model.forward_backward(micro_batches, scales, micro)
         model.finish_gradient_sync()
@@ -1549,8 +1367,134 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, hooks: Hooks | None = None) ->
     return model, progress
 
 
+def lay_out(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats, hooks: Hooks) -> Layout:
+    """The model wrapped as every rank trains it: DDP (section 5), unless a later section's layout takes the run;
+    that one may first cut the model (new parameters: before any hook sees them)."""
+    for maker in LAYOUT_MAKERS:
+        maker.cut(kit, cfg, d, stats)
+    hooks.before_wrap(kit, stats)
+    wrapped = (layout for maker in reversed(LAYOUT_MAKERS) if (layout := maker.wrap(kit, cfg, d, stats)))
+    return next(wrapped, None) or wrap_data_parallel(kit.trained, cfg, d, stats)
+
+
 def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+@dataclass(frozen=True)
+class LayoutMaker:
+    """What a later section adds to the loop for the settings it reads (sharding, section 7; model splitting,
+    section 8): the ranks laid out for it, the model cut for this rank (before any hook sees its parameters),
+    wrapped in its layout and given its optimizer, each None where the run is not that section's."""
+
+    settings: tuple[str, ...]  # what asks for it: the DDP program alone refuses them (run_core)
+    ranks: Callable[[Dist, RunConfig], Dist] = lambda d, cfg: d
+    cut: Callable[[ModelKit, RunConfig, Dist, CommStats], None] = lambda kit, cfg, d, stats: None
+    wrap: Callable[[ModelKit, RunConfig, Dist, CommStats], Layout | None] = lambda kit, cfg, d, stats: None
+    optimizer: Callable[..., torch.optim.Optimizer | None] | None = None  # (cfg, d, kind, options, params, stats)
+
+
+LAYOUT_MAKERS: list[LayoutMaker] = []  # in section order; the DDP program alone has none
+
+
+# ----- A program on its own: the text above section 7, or above the banner, saved alone beside corpus.txt -----
+
+
+# What the program acts on when it runs alone (run_core); the full script acts on every setting.
+CORE_SETTINGS = ("corpus_file", "output_dir", "seed", "seq_len", "pack", "d_model", "n_heads", "n_layers", "dropout",
+                 "batch_size", "max_steps", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "ddp",
+                 "sharding", "bucket_mb", "grad_accum_steps", "loss_normalization", "optimizer", "grad_compression",
+                 "tp", "pp", "pp_schedule", "cp", "backend", "cpu", "timeout_s")  # fmt: skip
+
+# The settings a later section gives meaning to, and that section: a program that ends before it refuses them.
+ADDED_LATER = {"sharding": "7 (Sharding)", **dict.fromkeys(("tp", "pp", "cp"), "8 (Model splitting)")}
+
+
+def add_flags(parser: argparse.ArgumentParser, read: Callable[[dict], dict]) -> argparse.ArgumentParser:
+    """A flag for each RunConfig field, in its --help group; `read` turns the field's metadata into
+    argparse's arguments (the full script checks ranges as it reads them: checked_reading)."""
+    group = parser
+    for setting in fields(RunConfig):
+        reading = read(dict(setting.metadata))
+        help_line, title = reading.pop("help"), reading.pop("group")
+        group = parser.add_argument_group(title) if title else group
+        default = ",".join(setting.default) if isinstance(setting.default, tuple) else setting.default
+        group.add_argument("--" + setting.name.replace("_", "-"), default=default, help=help_line, **reading)
+    return parser
+
+
+def plain_reading(metadata: dict) -> dict:
+    """A flag as the core alone reads it: a range as its kind of number, unchecked; a type named in words as text."""
+    within = metadata.pop("within", None)
+    if within or isinstance(metadata.get("type"), str):
+        metadata["type"] = within["kind"] if within else str
+    return metadata
+
+
+def core_settings(argv: list[str] | None = None) -> RunConfig:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description="The teaching core alone: the tiny model on the corpus, across the "
+                                     "ranks torchrun starts. It acts on " + ", ".join("--" + name.replace("_", "-") for
+                                     name in CORE_SETTINGS) + "; any other flag is named and ignored",
+                                     allow_abbrev=False)  # fmt: skip
+    parser = add_flags(parser, plain_reading)
+    args, typed = parser.parse_args(argv), {word.split("=", 1)[0] for word in argv if word.startswith("--")}
+    ignored = [s for s in fields(RunConfig) if s.name not in CORE_SETTINGS]
+    if given := [flag for s in ignored if (flag := "--" + s.name.replace("_", "-")) in typed]:
+        print(f"[core] ignored: {', '.join(given)}; the full script, llm_ddp_parallel_training.py, does that")
+    for setting in ignored:  # as if not given: --epochs, say, would otherwise leave --max-steps at 0
+        setattr(args, setting.name, setting.default)
+    settle_defaults(args, typed)
+    cfg, added = RunConfig(**vars(args)), {setting for maker in LAYOUT_MAKERS for setting in maker.settings}
+    for setting, section in ADDED_LATER.items():  # a sharding or split the sections present do not add: refused
+        if setting not in added and (value := getattr(cfg, setting)) != RunConfig.__dataclass_fields__[setting].default:
+            raise SystemExit(f"error: --{setting} {value}: section {section} adds it, and this program ends before it; "
+                             "run llm_ddp_parallel_training.py")  # fmt: skip
+    return cfg
+
+
+class PrintLoss(Hooks):
+    """The core's one piece of side work: rank 0 prints each step's loss."""
+
+    def __init__(self, d: Dist) -> None:
+        self.d = d
+
+    def step_done(self, metrics: dict[str, float], *_: object) -> None:
+        if self.d.is_main:
+            print(f"step {int(metrics['step']):>5} | loss {metrics['loss']:.4f}", flush=True)
+
+
+def run_core(argv: list[str] | None = None) -> None:
+    """launch -> connect -> shard -> train -> sync -> save, the seed's six stages, with nothing else: torchrun
+    launched this process, setup_distributed connects it, and train() shards the data (DistributedSampler),
+    trains, and syncs the gradients every step; rank 0 saves the model (gathered whole where a later section's
+    layout cuts it)."""
+    cfg = core_settings(argv)
+    if not cfg.corpus_file.is_file():
+        raise SystemExit(f"error: corpus file not found: {cfg.corpus_file} (core.py reads corpus.txt beside it)")
+    torch.set_flush_denormal(True)  # denormal gradients (after ~100 steps) run in slow microcode on x86 CPUs
+    d = setup_distributed(cfg)  # torchrun launched this process; it joins the others
+    for maker in LAYOUT_MAKERS:  # ... and, where a later section splits the model, lays out the ranks for it
+        d = maker.ranks(d, cfg)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # training: Ctrl-C as Python has it, cleaned up after
+    try:
+        if d.is_main:
+            print(f"[core] {d.world_size} process(es), backend {d.backend or 'none'} on {d.device}: {d.why}")
+        text = cfg.corpus_file.read_text(encoding="utf-8")
+        kit = build_tiny_kit(cfg, d, Lines.from_texts([line.strip() for line in text.split("\n") if line.strip()]))
+        # Dropout: each replica its own stream (W ranks dropping the same units of different examples would not
+        # be one process with a W-times batch; seed_offset: where ranks compute one replica together, one stream).
+        torch.manual_seed(cfg.seed + d.seed_offset)
+        model, progress = train(cfg, d, kit, PrintLoss(d))  # shard, train, sync: step after step
+        whole = whole_state_dict(model, d, kit.model)  # a collective where no rank holds the whole model
+        if d.is_main:
+            print(f"[save] {kit.save_final(kit.model, progress.step, whole)}")
+    finally:
+        teardown_distributed()
+
+
+if __name__ == "__main__" and "\n# 7. Sharding:" not in Path(__file__).read_text(encoding="utf-8"):
+    run_core()  # the DDP program saved alone (sections 1-6); with the sections after it, they run it
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1569,6 +1513,22 @@ all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tens
 
 
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """The slice of a tensor this rank holds: a DTensor's local shard (fully_shard), else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def global_grad_norm(own: list[torch.Tensor], alike: list[torch.Tensor], group: object) -> torch.Tensor:
+    """The whole gradient's 2-norm, the same on every rank, for every layout: the squares of this rank's own
+    parts (slices, shards, stages) summed over the group, plus those every rank holds alike (norm_parts)."""
+    device = next((g.device for g in [*own, *alike]), torch.device("cpu"))
+    squares = [sum((torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in part),
+                   torch.zeros((), device=device)) for part in (own, alike)]  # fmt: skip
+    if own:
+        dist.all_reduce(squares[0], group=group)
+    return (squares[0] + squares[1]).sqrt()
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -1664,20 +1624,6 @@ def _options(group: dict) -> dict:
     return {k: v for k, v in group.items() if k != "params"}
 
 
-def holds_a_share(optimizer: torch.optim.Optimizer) -> bool:
-    """ZeRO-1 (ShardedOptimizer, torch's ZeroRedundancyOptimizer): each rank's inner optimizer holds
-    the state of its own parameters only."""
-    return hasattr(optimizer, "optim")
-
-
-def describe_optimizer_share(named_params: list, optimizer: torch.optim.Optimizer) -> list[str]:
-    mine = {p for group in optimizer.optim.param_groups for p in group["params"]}
-    owned = [(n, p) for n, p in named_params if p in mine]
-    names = ", ".join(n for n, _ in owned[:4]) + (f", ... ({len(owned)} tensors)" if len(owned) > 4 else "")
-    total = sum(p.numel() for _, p in named_params)
-    return [f"optimizer state of {sum(p.numel() for _, p in owned):,} of {total:,} weights: {names}"]
-
-
 @dataclass(eq=False)
 class Unit:
     """A module whose own parameters are gathered together before it runs, and freed after."""
@@ -1712,8 +1658,8 @@ class ManualFSDP(Wrapper):
     gathers_in_forward, all_reduces_buckets, rank0_holds_all = True, False, False
 
     def __init__(self, module: nn.Module, d: Dist, units: list[nn.Module], param_dtype: torch.dtype | None = None,
-                 stats: CommStats | None = None, split: ModelSplit | None = None) -> None:  # fmt: skip
-        super().__init__(module, split)  # split: a ContextParallel's, whose ranks each compute their own tokens
+                 stats: CommStats | None = None) -> None:  # fmt: skip
+        super().__init__(module)
         self.world, self.rank, self.param_dtype = d.world_size, d.rank, param_dtype
         start_equal(module)
         owner = innermost_units(module, units)
@@ -1885,9 +1831,9 @@ class ManualFSDP(Wrapper):
         if grads := [p.grad for p in self.whole_params if p.grad is not None]:
             torch._foreach_div_(grads, self.world)
 
-    def norm_parts(self, params: list[nn.Parameter]) -> tuple[list, list, dist.ProcessGroup | None]:
+    def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
         shards = [p.grad for unit in self.units for p in unit.trainable if p.grad is not None]  # the padding is 0
-        return shards, [p.grad for p in self.whole_params if p.grad is not None], None
+        return global_grad_norm(shards, [p.grad for p in self.whole_params if p.grad is not None], None)
 
     def whole(self, p: nn.Parameter, shard: torch.Tensor | None = None) -> torch.Tensor:
         """The whole of p (or of a tensor cut like p, such as its Adam moment): a collective when p is sharded."""
@@ -1903,15 +1849,6 @@ class ManualFSDP(Wrapper):
 
     def tensor_part(self, name: str, p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
         return self._cut(whole.to(self.shard[p].device)) if p in self.shard and whole.dim() else whole
-
-    def held_alike(self, name: str, p: nn.Parameter) -> bool:
-        return p not in self.shard  # outside every unit: whole and averaged on every rank
-
-    def ownership(self, named_params: list, optimizer: torch.optim.Optimizer) -> list[str]:
-        held = [(n, self.rank * p.numel() if p in self.shard else 0, p.numel(), math.prod(self.shape.get(p, p.shape)))
-                for n, p in named_params[:4]]  # fmt: skip
-        rest = f"... and so on for all {len(named_params)} trained tensors: weights, gradients, optimizer state"
-        return [f"{n}: elements [{a:,}, {min(a + k, w):,}) of {w:,}, flattened" for n, a, k, w in held] + [rest]
 
 
 class _AfterBackward(torch.autograd.Function):
@@ -1951,7 +1888,19 @@ class TorchFSDP(Wrapper):
     """torch's fully_shard (FSDP2) on the same units. Its parameters are DTensors, each rank holding
     a block of rows, which DTensor's own full_tensor gathers whole."""
 
-    gathers_in_forward, all_reduces_buckets = True, False
+    gathers_in_forward, all_reduces_buckets, rank0_holds_all = True, False, False
+
+    @classmethod
+    def shard(cls, kit: ModelKit, mesh: object) -> TorchFSDP:
+        """fully_shard each unit over the ranks of `mesh` (a DeviceMesh)."""
+        from torch.distributed.fsdp import fully_shard
+
+        for unit in [*kit.blocks, kit.trained]:  # inner units first: each takes its own parameters, the root the rest
+            fully_shard(unit, mesh=mesh)
+        # FSDP2 warns that a unit returned a view, which an in-place op could detach from its
+        # all-gather; this script never modifies a model's output in place.
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+        return cls(kit.trained)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -1962,14 +1911,14 @@ class TorchFSDP(Wrapper):
         finally:
             self.module.set_requires_gradient_sync(True)
 
-    def norm_parts(self, params: list[nn.Parameter]) -> tuple[list, list, dist.ProcessGroup | None]:
-        return self.split.norm_parts(params, dp_sharded=self.gathers_in_forward)
+    def local_grads(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        return [local_part(p.grad) for p in params if p.grad is not None]  # this rank's rows of each
 
-    rank0_holds_all = False
+    def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
+        return global_grad_norm(self.local_grads(params), [], None)  # every row is some rank's own
 
     def whole_tensor(self, name: str, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """A DTensor whole (torch's q, k, v slices gathered in rank order, put back in the model's)."""
-        return self.split.to_model_order(name, t.full_tensor()) if hasattr(t, "full_tensor") else t
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
 
     def tensor_part(self, name: str, p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
         """This rank's block of a whole tensor, as a DTensor laid out as p is, cut locally (no collective)."""
@@ -1977,22 +1926,7 @@ class TorchFSDP(Wrapper):
             return whole
         from torch.distributed.tensor import distribute_tensor
 
-        whole = self.split.to_rank_order(name, whole).to(p.device)
-        return distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)
-
-    def held_alike(self, name: str, p: nn.Parameter) -> bool:
-        return False  # each rank holds its rows of every parameter
-
-    def ownership(self, named_params: list, optimizer: torch.optim.Optimizer) -> list[str]:
-        lines = []
-        for n, p in named_params[:4]:  # fully_shard cuts dim 0 into N row blocks, as torch.chunk does
-            rows = math.ceil(p.shape[0] / p.device_mesh.size())
-            start = p.device_mesh.get_local_rank() * rows
-            lines.append(f"{n}: rows [{start:,}, {min(start + rows, p.shape[0]):,}) of {p.shape[0]:,}")
-        return [
-            *lines,
-            f"... and so on for all {len(named_params)} trained tensors: weights, gradients, optimizer state",
-        ]
+        return distribute_tensor(whole.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
 
     def after_evaluation(self) -> None:
         for unit in self.module.modules():  # fully_shard leaves the root unit whole after a forward
@@ -2000,31 +1934,34 @@ class TorchFSDP(Wrapper):
                 unit.reshard()
 
 
-class TorchReplicated(TorchFSDP):
-    """torch's data parallelism for a tensor-parallel model: replicate (FSDP's machinery, weights whole along the
-    replicas) takes DTensor parameters, which its DDP does not. No forward gathers anything."""
-
-    gathers_in_forward = False
-
-
-def shard_fully(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats, split: ModelSplit | None = None) -> Wrapper:
-    """FSDP units: each block, then the rest as the root unit (tied embedding and head weights must share one);
-    under tensor parallelism (torch's 2-D recipe) the slices are sharded along the replicas."""
-    units = [*kit.blocks, kit.trained]
+def shard_fully(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats) -> ManualFSDP | TorchFSDP:
+    """FSDP units: each block, then the rest as the root unit (tied embedding and head weights must share one)."""
     if cfg.ddp == "manual":
-        return ManualFSDP(kit.trained, d, units, stats=stats, split=split)
+        return ManualFSDP(kit.trained, d, [*kit.blocks, kit.trained], stats=stats)
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     # A device mesh says which ranks share the shards: here all of them, on this device type
     # (given explicitly: on a CPU, fully_shard would otherwise look for a GPU).
-    mesh = d.mesh[d.replica_dim] if d.mesh is not None else init_device_mesh(d.device.type, (d.world_size,))
-    for unit in units:  # inner units first: each takes its own parameters, the root what is left
-        fully_shard(unit, mesh=mesh)
-    # FSDP2 warns that a unit returned a view, which an in-place op could detach from its
-    # all-gather; this script never modifies a model's output in place.
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-    return TorchFSDP(kit.trained, split)
+    return TorchFSDP.shard(kit, init_device_mesh(d.device.type, (d.world_size,)))
+
+
+def sharded_optimizer(cfg: RunConfig, d: Dist, kind: type, options: dict, params: list[nn.Parameter],
+                      stats: CommStats) -> torch.optim.Optimizer | None:  # fmt: skip
+    """ZeRO-1 (--sharding optimizer): each rank keeps the optimizer state of its own share of the weights.
+    (Under --sharding full the parameters are shards already: a plain optimizer keeps 1/N state.)"""
+    if cfg.sharding != "optimizer" or not d.distributed:
+        return None
+    if cfg.ddp == "manual":
+        optimizer = ShardedOptimizer(params, kind, **options)
+        optimizer.stats = stats  # its broadcasts of updated weights count among the run's collectives
+        return optimizer
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(params, optimizer_class=kind, **options)
+
+
+LAYOUT_MAKERS.append(LayoutMaker(("sharding",), optimizer=sharded_optimizer, wrap=lambda kit, cfg, d, stats: (
+    shard_fully(kit, cfg, d, stats) if cfg.sharding == "full" and d.distributed else None)))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2040,6 +1977,82 @@ def shard_fully(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats, split:
 # (parallelize_module, torch.distributed.pipelining); here is each from scratch, beside them.
 
 
+@dataclass(frozen=True)
+class MeshDist(Dist):
+    """This process's place when the ranks are laid out as a grid (laid_out): dp replicas x pp stages x tp slices
+    x cp sequence parts, rank = ((dp_rank x pp + pp_rank) x tp + tp_rank) x cp + cp_rank, so that a group is
+    neighbours. A replica's ranks hold one model between them and read one share of the data."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    mesh: object | None = None  # the grid as torch's DeviceMesh, whose groups every split uses; None: no split
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp * self.cp)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // (self.tp * self.pp * self.cp)
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // (self.tp * self.cp) % self.pp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank // self.cp % self.tp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.rank % self.cp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same weights, which average their gradients: the replicas and, within each,
+        its context-parallel ranks (the same example, other tokens)."""
+        return self.dp * self.cp
+
+    @property
+    def seed_offset(self) -> int:
+        """Dropout's stream: one per tensor-parallel group, whose slices compute one replica's activations."""
+        return self.rank // (self.tp * self.cp) * self.cp + self.cp_rank
+
+    @property
+    def replica_dim(self) -> str:
+        """The mesh's dimension of the ranks that average their gradients (replicas): "dp", with --cp "dp_cp"."""
+        return "dp_cp" if self.cp > 1 else "dp"
+
+    @property
+    def data_group(self) -> dist.ProcessGroup | None:
+        return self.group(self.replica_dim)
+
+    def group(self, dim: str) -> dist.ProcessGroup | None:
+        """The ranks that share this rank's place along one dimension of the grid ("dp", "pp", "tp", "cp", or
+        replica_dim)."""
+        return self.mesh.get_group(dim) if self.mesh is not None else None
+
+
+def laid_out(d: Dist, cfg: RunConfig) -> MeshDist:
+    """The ranks as a grid of dp replicas x pp stages x tp slices x cp parts; all replicas where the model is whole."""
+    place = {f.name: getattr(d, f.name) for f in fields(Dist)}
+    if cfg.tp * cfg.pp * cfg.cp == 1 or not d.distributed:
+        return MeshDist(**place)
+    if d.world_size % (cfg.tp * cfg.pp * cfg.cp):
+        split = f"--tp {cfg.tp} x --pp {cfg.pp}" + (f" x --cp {cfg.cp}" if cfg.cp > 1 else "")
+        raise UsageError(f"{split} does not divide the {d.world_size} ranks into replicas")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (d.world_size // (cfg.tp * cfg.pp * cfg.cp), cfg.pp, cfg.tp, cfg.cp)
+    mesh = init_device_mesh(d.device.type, shape, mesh_dim_names=("dp", "pp", "tp", "cp"))
+    if cfg.cp > 1:  # the replicas and their cp ranks hold the same weights: one group averages their gradients
+        mesh["dp", "cp"]._flatten("dp_cp")
+    if cfg.tp > 1 and cfg.pp > 1:  # a replica's stages and slices: one group adds up its gradient norm
+        mesh["pp", "tp"]._flatten("pp_tp")
+    return MeshDist(**place, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, mesh=mesh)
+
+
 class ModelSplit:
     """How one replica's model is split across its ranks; this base splits nothing, whole on each rank.
     The wrappers (ManualDDP, TorchDDP, the FSDPs) ask their split what to gather, cut, count and add up."""
@@ -2053,6 +2066,7 @@ class ModelSplit:
         return self.loss_share
 
     holds_all = True  # every rank holds every weight of the model
+    fused_optimizer = True  # AdamW's one kernel can take every tensor (TensorParallel: not beside DTensor slices)
 
     def sliced(self, name: str) -> bool:
         return False  # whether this rank holds only a slice of parameter `name`
@@ -2077,16 +2091,92 @@ class ModelSplit:
         grads = [local_part(p.grad) for p in params if p.grad is not None]
         return (grads, [], None) if dp_sharded else ([], grads, None)
 
-    def ownership(self, named_params: list) -> list[str]:
-        return []
-
-    def holdings(self) -> str:
-        """What of one replica's model this rank holds, in words (the memory table)."""
-        return "the whole model"
-
     def own_part(self, batch: tuple) -> tuple:
         """What of a micro-batch this rank computes: here all of it."""
         return batch
+
+
+class SplitLayout(Layout):
+    """A layout whose model is split across each replica's ranks (self.split): it computes, counts, clips and saves
+    as its split says. Mixed in before the layout it splits (SplitManualDDP, ...), or after one that answers for
+    itself first (SplitManualFSDP)."""
+
+    split: ModelSplit
+
+    @property
+    def loss_share(self) -> float:
+        return self.split.loss_share
+
+    @property
+    def example_share(self) -> float:
+        return self.split.example_share
+
+    @property
+    def rank0_holds_all(self) -> bool:
+        return self.split.holds_all
+
+    @property
+    def fused_optimizer(self) -> bool:
+        return self.split.fused_optimizer
+
+    def local_batch(self, batch: tuple) -> tuple:
+        return self.split.own_part(batch)
+
+    def local_grads(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        return [local_part(p.grad) for p in params if p.grad is not None]
+
+    def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
+        return global_grad_norm(*self.split.norm_parts(params))
+
+    def whole_tensor(self, name: str, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return self.split.whole(name, t) if t.dim() else t
+
+    def tensor_part(self, name: str, p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+        return self.split.part(name, whole, p) if whole.dim() else whole
+
+
+class SplitWrapper(SplitLayout, Wrapper):
+    """One replica, split over every rank: no replica to average with."""
+
+    @property
+    def all_reduces_buckets(self) -> bool:
+        return self.split.holds_all  # a model split over every rank has no bucket to all-reduce
+
+
+class SplitManualDDP(SplitLayout, ManualDDP):
+    """Each split rank's replicas (the same slice, stage or chunks) averaged from scratch."""
+
+
+class SplitTorchDDP(SplitLayout, TorchDDP):
+    """Each split rank's replicas averaged by torch's DDP."""
+
+
+class SplitManualFSDP(ManualFSDP, SplitLayout):
+    """ManualFSDP over the replicas and their cp ranks, each rank computing its own tokens (ContextParallel)."""
+
+
+class SplitTorchFSDP(SplitLayout, TorchFSDP):
+    """fully_shard over the replicas of a split model (torch's 2-D recipe under --tp): DTensors whole in rank order,
+    put back in the model's (q, k, v)."""
+
+    rank0_holds_all = False
+
+    def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
+        return global_grad_norm(*self.split.norm_parts(params, dp_sharded=self.gathers_in_forward))
+
+    def whole_tensor(self, name: str, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return self.split.to_model_order(name, TorchFSDP.whole_tensor(self, name, p, t))
+
+    def tensor_part(self, name: str, p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+        rank_order = self.split.to_rank_order(name, whole) if whole.dim() else whole
+        return TorchFSDP.tensor_part(self, name, p, rank_order)
+
+
+class TorchReplicated(SplitTorchFSDP):
+    """torch's data parallelism for a tensor-parallel model: replicate (FSDP's machinery, weights whole along the
+    replicas) takes DTensor parameters, which its DDP does not. No forward gathers anything."""
+
+    gathers_in_forward = False
 
 
 def tensor_parallel_sum(t: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None) -> torch.Tensor:
@@ -2199,7 +2289,7 @@ class TensorParallel(ModelSplit):
     The embeddings, norms and head stay whole on every rank. --ddp manual swaps in the modules above;
     --ddp torch gives the same cuts to parallelize_module as ColwiseParallel and RowwiseParallel."""
 
-    holds_all = False  # each rank holds a slice of every block's matrices
+    holds_all = fused_optimizer = False  # each rank holds a slice of every block's matrices
 
     def __init__(self, model: nn.Module, d: Dist, manual: bool, stats: CommStats | None = None,
                  blocks: range | None = None) -> None:  # fmt: skip
@@ -2263,19 +2353,6 @@ class TensorParallel(ModelSplit):
         alike = [local_part(p.grad) for p in params if p.grad is not None and id(p) not in sliced]
         return (own + alike * (self.rank == 0), [], None) if dp_sharded else (own, alike, self.group)
 
-    def ownership(self, named_params: list) -> list[str]:
-        lines = []
-        for name, _ in named_params:
-            if self.sliced(name) and len(lines) < 4:
-                dim, parts = self.cuts[name]
-                what = ("rows" if dim == 0 else "columns") + (" of each of q, k and v" if parts == 3 else "")
-                lines.append(f"{name}: slice {self.rank} of {self.n} of its {what}")
-        return [*lines, "... and the embeddings, norms and head whole, as every rank of the group holds them"]
-
-    def holdings(self) -> str:
-        return (f"slice {self.rank} of {self.n} of each block's q, k, v and MLP rows and projection columns; "
-                "embeddings, norms, head whole")  # fmt: skip
-
 
 def stage_blocks(stage: int, n_layers: int, stages: int) -> range:
     """The blocks of a stage: a contiguous run, the stages as even as the blocks allow."""
@@ -2292,13 +2369,6 @@ class StageSplit(ModelSplit):
     def norm_parts(self, params: list[nn.Parameter]) -> tuple[list, list, dist.ProcessGroup]:
         return [p.grad for p in params if p.grad is not None], [], self.group  # each stage's own, over the stages
 
-    def holdings(self) -> str:
-        parts = ["the embeddings"] * self.first + [f"blocks {self.owned.start}-{self.owned.stop - 1}"]
-        return f"stage {self.stage}: " + ", ".join(parts + ["the final norm and head"] * self.last)
-
-    def ownership(self, named_params: list) -> list[str]:
-        return [f"{self.holdings()} ({sum(p.numel() for _, p in named_params):,} weights)"]
-
 
 class TensorParallelStage(TensorParallel):
     """A pipeline stage whose blocks tensor parallelism slices (--tp with --pp, from scratch): the 3-D layout's
@@ -2313,12 +2383,6 @@ class TensorParallelStage(TensorParallel):
     def norm_parts(self, params: list[nn.Parameter], dp_sharded: bool = False) -> tuple[list, list, object]:
         own, alike, _ = super().norm_parts(params)  # the slices, and the stage's whole ones counted on one slice
         return own + alike * (self.rank == 0), [], self.replica
-
-    def holdings(self) -> str:
-        return f"{self.stage.holdings()}; of its blocks, {super().holdings()}"
-
-    def ownership(self, named_params: list) -> list[str]:
-        return [*self.stage.ownership(named_params), *super().ownership(named_params)]
 
 
 class PipelineState:
@@ -2340,7 +2404,7 @@ class PipelineState:
     def sends_to_rank0(self, d: Dist) -> bool:
         return d.dp_rank == 0 and d.tp_rank == 0  # the first replica's stages (their first slices)
 
-    def join_stages(self, d: Dist, mine: object) -> list | None:
+    def gather_to_rank0(self, d: Dist, mine: object) -> list | None:
         """Every stage's `mine`, in stage order, on rank 0 (a collective of the first replica's stages)."""
         if not self.sends_to_rank0(d):
             return None
@@ -2348,14 +2412,25 @@ class PipelineState:
         dist.gather_object(mine, stages, dst=0, group=self.group)
         return stages
 
-    def held_alike(self, name: str, p: nn.Parameter) -> bool:
-        return False  # each stage holds its own blocks
 
-    def ownership(self, named_params: list, optimizer: torch.optim.Optimizer) -> list[str]:
-        return self.split.ownership(named_params)
+class Stage(nn.Module):
+    """A pipeline stage's forward through the parts of the tiny model it holds: the first stage embeds token ids,
+    the last ends in the head; the others take hidden states and pass them on."""
+
+    def __init__(self, model: TinyTransformer, first: bool, last: bool) -> None:
+        super().__init__()
+        self.model, self.first, self.last = model, first, last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.model
+        if self.first:
+            x = m.drop(m.tok_emb(x) + m.pos_emb(torch.arange(x.shape[1], device=x.device)))
+        for block in m.blocks:
+            x = block(x)
+        return m.head(m.ln_f(x)) if self.last else x
 
 
-class Pipeline(PipelineState, Wrapper):
+class Pipeline(PipelineState, SplitLayout, Wrapper):
     """Pipeline parallelism over the pipeline group: this rank holds one stage, a run of whole
     blocks (the first stage the embeddings too, the last the final norm and head), and the step's
     --grad-accum-steps micro-batches flow through the stages, activations forward and their
@@ -2379,10 +2454,11 @@ class Pipeline(PipelineState, Wrapper):
         if not self.last:
             model.ln_f = model.head = None
         stage = StageSplit(d, self.last, self.first, self.owned)
-        super().__init__(model, TensorParallelStage(model, d, stats, stage) if d.tp > 1 else stage)
+        super().__init__(Stage(model, self.first, self.last))
+        self.split = TensorParallelStage(model, d, stats, stage) if d.tp > 1 else stage
         self.d, self.cfg, self.stats = d, cfg, stats
         self.group, self.ranks = d.group("pp"), dist.get_process_group_ranks(d.group("pp"))
-        self.sync = ManualDDP(model, d, cfg.bucket_mb, stats, self.split) if d.dp > 1 else None
+        self.sync = ManualDDP(model, d, cfg.bucket_mb, stats) if d.dp > 1 else None
         self.in_flight: list[tuple[dist.Work, object, dict]] = []  # sends not yet seen done
 
     @property
@@ -2404,7 +2480,7 @@ class Pipeline(PipelineState, Wrapper):
         with self.sync.no_sync() if self.sync else contextlib.nullcontext():
             losses = self.schedule_step(batches, scales, micro)
         loss = torch.stack(losses).sum() if losses else torch.zeros((), device=self.d.device)
-        return loss * self.split.loss_share  # (--tp: each slice of the last stage computed it, one counts it)
+        return loss * self.loss_share  # (--tp: each slice of the last stage computed it, one counts it)
 
     def send(self, t: torch.Tensor, to: int) -> None:
         """t to the stage `to` steps away (+1: the next, -1: the one before), counted; traced once seen done."""
@@ -2428,7 +2504,7 @@ class Pipeline(PipelineState, Wrapper):
         t, start = torch.empty(shape, device=self.d.device), self.stats.mark()
         dist.irecv(t, self.ranks[self.d.pp_rank + frm], group=self.group).wait()
         self.stats.span("recv", start, {"from stage": self.d.pp_rank + frm, "bytes": t.nbytes})
-        micro.hooks.mark("bubble")  # this stage idle, waiting for its neighbour
+        micro.mark("bubble")  # this stage idle, waiting for its neighbour
         return t
 
     def schedule_step(self, batches: list[tuple], scales: list[float], micro: MicroStep) -> list[torch.Tensor]:
@@ -2444,9 +2520,9 @@ class Pipeline(PipelineState, Wrapper):
                 losses.append(loss.detach())
                 outputs[m] = loss * scales[m]
             else:
-                with micro.hooks.autocast():
+                with micro.autocast():
                     outputs[m] = self.module(x)
-                micro.hooks.mark("forward")
+                micro.mark("forward")
                 self.send(outputs[m], +1)
             inputs[m] = x
 
@@ -2456,7 +2532,7 @@ class Pipeline(PipelineState, Wrapper):
                 micro.backward(y)
             else:
                 y.backward(self.receive(y.shape, +1, micro))
-                micro.hooks.mark("backward")
+                micro.mark("backward")
             if not self.first:
                 self.send(x.grad, -1)
 
@@ -2505,7 +2581,7 @@ class TorchPipeline(Pipeline):
         losses: list[torch.Tensor] = []
 
         def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            loss = micro.hooks.loss(token_loss_sum(logits, targets))
+            loss = micro.spoil(token_loss_sum(logits, targets))
             losses.append(loss.detach())
             # Which micro-batch: torch hands each as a view of the step's targets, equal in size (and on its first
             # step the first once more, to check the stage's output: that call's loss is not kept below).
@@ -2518,7 +2594,7 @@ class TorchPipeline(Pipeline):
             self.schedule = kind(stage, len(batches), loss_fn=lambda y, t: self.loss_fn(y, t), scale_grads=False)
         self.loss_fn = loss_fn
         ids, targets = (torch.cat(column) for column in zip(*batches, strict=True))
-        with micro.hooks.autocast():
+        with micro.autocast():
             if self.first:
                 self.schedule.step(ids)
             else:
@@ -2562,11 +2638,6 @@ class ContextParallel:
 
     def chunks(self, rank: int) -> tuple[int, int]:
         return rank, 2 * self.n - 1 - rank
-
-    def ownership(self, named_params: list) -> list[str]:
-        (i, j), c = self.chunks(self.rank), self.seq_len // (2 * self.n)
-        return [f"positions {i * c}-{(i + 1) * c - 1} and {j * c}-{(j + 1) * c - 1} of every example (chunks {i} and "
-                f"{j} of {2 * self.n})", *(self.inner.ownership(named_params) or ["every weight whole"])]  # fmt: skip
 
     def own_part(self, batch: tuple) -> tuple:
         """This rank's two chunks of every row (inputs, targets), and their positions. A row cut short
@@ -2684,111 +2755,45 @@ class RingAttention(torch.autograd.Function):
         return dq, dkv[0], dkv[1], None, None
 
 
-def split_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats) -> ModelSplit | None:
-    """Tensor parallelism applied to the model in place, before the data-parallel wrapper takes it."""
-    if kit.split is not None:
-        return kit.split
-    # Under --pp each stage slices its own blocks (TensorParallelStage), once the pipeline has cut them out.
-    tp = TensorParallel(kit.model, d, cfg.ddp == "manual", stats) if d.tp > 1 and d.pp == 1 else None
-    return ContextParallel(d.group("cp"), kit.model, stats, tp) if d.cp > 1 else tp
+def split_model(kit: ModelKit, cfg: RunConfig, d: MeshDist, stats: CommStats) -> None:
+    """Tensor and context parallelism applied to the model in place (kit.split), before any hook sees its
+    parameters. Under --pp each stage slices its own blocks (TensorParallelStage), once the pipeline cuts them."""
+    if kit.split is None and d.pp == 1 and d.tp * d.cp > 1:
+        tp = TensorParallel(kit.model, d, cfg.ddp == "manual", stats) if d.tp > 1 else None
+        kit.split = ContextParallel(d.group("cp"), kit.model, stats, tp) if d.cp > 1 else tp
 
 
-def wrap_model(kit: ModelKit, cfg: RunConfig, d: Dist, stats: CommStats, split: ModelSplit | None) -> Wrapper:
-    """The model as every rank trains it: replicated (DDP), sharded (FSDP), or
-    split (here): a pipeline's stage, or tensor-parallel slices under DDP or FSDP."""
+def split_layout(kit: ModelKit, cfg: RunConfig, d: MeshDist, stats: CommStats) -> Layout | None:
+    """The split model as every rank trains it: a pipeline's stage, or slices (and chunks) averaged by DDP over
+    their replicas, sharded by FSDP, or alone where one replica spans every rank."""
+    if d.tp * d.pp * d.cp == 1:
+        return None
     if d.pp > 1:
         return (TorchPipeline if cfg.ddp == "torch" else Pipeline)(kit, cfg, d, stats)
     if d.distributed and cfg.sharding == "full":
-        return shard_fully(kit, cfg, d, stats, split)
-    if split and not split.holds_all and d.replicas > 1 and cfg.ddp == "torch":
+        layout = (SplitManualFSDP(kit.trained, d, [*kit.blocks, kit.trained], stats=stats) if cfg.ddp == "manual"
+                  else SplitTorchFSDP.shard(kit, d.mesh[d.replica_dim]))  # fmt: skip
+    elif d.replicas == 1:
+        layout = SplitWrapper(kit.trained)
+    elif cfg.ddp == "manual":
+        layout = SplitManualDDP(kit.trained, d, cfg.bucket_mb, stats)
+    elif kit.split.holds_all:
+        layout = SplitTorchDDP.wrap(kit.trained, cfg, d, stats)
+    else:  # torch's DDP takes no DTensor slices; replicate, FSDP's machinery with the weights whole, does
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         for unit in [*kit.blocks, kit.trained]:  # inner units first, as fully_shard takes them
             replicate(unit, mesh=d.mesh[d.replica_dim])
-        return TorchReplicated(kit.trained, split)
-    return wrap_data_parallel(kit.trained, cfg, d, stats, split)
+        layout = TorchReplicated(kit.trained)
+    layout.split = kit.split
+    return layout
 
 
-# ----- The core on its own: the text above the banner, saved alone beside corpus.txt, is a program -----
-
-
-def add_flags(parser: argparse.ArgumentParser, read: Callable[[dict], dict]) -> argparse.ArgumentParser:
-    """A flag for each RunConfig field, in its --help group; `read` turns the field's metadata into
-    argparse's arguments (the full script checks ranges as it reads them: checked_reading)."""
-    group = parser
-    for setting in fields(RunConfig):
-        reading = read(dict(setting.metadata))
-        help_line, title = reading.pop("help"), reading.pop("group")
-        group = parser.add_argument_group(title) if title else group
-        default = ",".join(setting.default) if isinstance(setting.default, tuple) else setting.default
-        group.add_argument("--" + setting.name.replace("_", "-"), default=default, help=help_line, **reading)
-    return parser
-
-
-def plain_reading(metadata: dict) -> dict:
-    """A flag as the core alone reads it: a range as its kind of number, unchecked; a type named in words as text."""
-    within = metadata.pop("within", None)
-    if within or isinstance(metadata.get("type"), str):
-        metadata["type"] = within["kind"] if within else str
-    return metadata
-
-
-def core_settings(argv: list[str] | None = None) -> RunConfig:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(description="The teaching core alone: the tiny model on the corpus, across the "
-                                     "ranks torchrun starts. It acts on " + ", ".join("--" + name.replace("_", "-") for
-                                     name in CORE_SETTINGS) + "; any other flag is named and ignored",
-                                     allow_abbrev=False)  # fmt: skip
-    parser = add_flags(parser, plain_reading)
-    args, typed = parser.parse_args(argv), {word.split("=", 1)[0] for word in argv if word.startswith("--")}
-    ignored = [s for s in fields(RunConfig) if s.name not in CORE_SETTINGS]
-    if given := [flag for s in ignored if (flag := "--" + s.name.replace("_", "-")) in typed]:
-        print(f"[core] ignored: {', '.join(given)}; the full script, llm_ddp_parallel_training.py, does that")
-    for setting in ignored:  # as if not given: --epochs, say, would otherwise leave --max-steps at 0
-        setattr(args, setting.name, setting.default)
-    settle_defaults(args, typed)
-    return RunConfig(**vars(args))
-
-
-class PrintLoss(Hooks):
-    """The core's one piece of side work: rank 0 prints each step's loss."""
-
-    def __init__(self, d: Dist) -> None:
-        self.d = d
-
-    def step_done(self, metrics: dict[str, float], *_: object) -> None:
-        if self.d.is_main:
-            print(f"step {int(metrics['step']):>5} | loss {metrics['loss']:.4f}", flush=True)
-
-
-def run_core(argv: list[str] | None = None) -> None:
-    """launch -> connect -> shard -> train -> sync -> save, the seed's six stages, with nothing else: torchrun
-    launched this process, setup_distributed connects it, and train() shards the data (DistributedSampler),
-    trains, and syncs the gradients every step; rank 0 saves the model, gathered whole where it is cut."""
-    cfg = core_settings(argv)
-    if not cfg.corpus_file.is_file():
-        raise SystemExit(f"error: corpus file not found: {cfg.corpus_file} (core.py reads corpus.txt beside it)")
-    torch.set_flush_denormal(True)  # denormal gradients (after ~100 steps) run in slow microcode on x86 CPUs
-    d = setup_distributed(cfg)  # torchrun launched this process; it joins the others
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # training: Ctrl-C as Python has it, cleaned up after
-    try:
-        if d.is_main:
-            print(f"[core] {d.world_size} process(es), backend {d.backend or 'none'} on {d.device}: {d.why}")
-        text = cfg.corpus_file.read_text(encoding="utf-8")
-        kit = build_tiny_kit(cfg, d, Lines.from_texts([line.strip() for line in text.split("\n") if line.strip()]))
-        # Dropout: each replica its own stream (W ranks dropping the same units of different examples would not
-        # be one process with a W-times batch); a tensor-parallel group computes one replica's activations.
-        torch.manual_seed(cfg.seed + d.seed_offset)
-        model, progress = train(cfg, d, kit, PrintLoss(d))  # shard, train, sync: step after step
-        whole = whole_state_dict(model, d, kit.model)  # a collective where no rank holds the whole model
-        if d.is_main:
-            print(f"[save] {kit.save_final(kit.model, progress.step, whole)}")
-    finally:
-        teardown_distributed()
+LAYOUT_MAKERS.append(LayoutMaker(("tp", "pp", "cp"), ranks=laid_out, cut=split_model, wrap=split_layout))
 
 
 if __name__ == "__main__" and "\n# =====" not in Path(__file__).read_text(encoding="utf-8"):
-    run_core()  # the core saved alone; in the whole script, main() runs
+    run_core()  # the core saved alone (sections 1-8); in the whole script, main() runs
 
 
 # ==============================================================================================
@@ -5024,11 +5029,6 @@ class PlannedTensorParallel(TensorParallel):
         self.cuts = {name: (t.placements[0].dim, 1) for name, t in model.state_dict(keep_vars=True).items()
                      if hasattr(t, "placements") and t.placements[0].is_shard()}  # fmt: skip
 
-    def holdings(self) -> str:
-        return (
-            f"slice {self.rank} of {self.n} of each layer's projections, as the model's tensor-parallel plan cuts them"
-        )
-
 
 @contextlib.contextmanager
 def saved_as_one_process(model: nn.Module) -> Iterator[None]:
@@ -5093,6 +5093,207 @@ def check_lora_targets(model: nn.Module, targets: tuple[str, ...]) -> None:
 # ----------------------------------------------------------------------------------------------
 # 13. Reports and checks: how gradients travel, the whole state from shards, --inspect, --verify-sync
 # ----------------------------------------------------------------------------------------------
+
+
+def optimizer_share(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
+    """Under ZeRO-1 (ShardedOptimizer, or torch's ZeroRedundancyOptimizer, which a script of one's own may hand
+    in) the inner optimizer, holding the state of this rank's own parameters only; None for one of the whole."""
+    return getattr(optimizer, "optim", None)
+
+
+def describe_optimizer_share(named_params: list, optimizer: torch.optim.Optimizer) -> list[str]:
+    mine = {p for group in optimizer_share(optimizer).param_groups for p in group["params"]}
+    owned = [(n, p) for n, p in named_params if p in mine]
+    names = ", ".join(n for n, _ in owned[:4]) + (f", ... ({len(owned)} tensors)" if len(owned) > 4 else "")
+    total = sum(p.numel() for _, p in named_params)
+    return [f"optimizer state of {sum(p.numel() for _, p in owned):,} of {total:,} weights: {names}"]
+
+
+# What --inspect, --verify-sync and the memory table ask of each layout, answered here, below the banner, for every
+# layout: DDP's answer first, then each other layout's (functools.singledispatch picks by the layout's class).
+@functools.singledispatch
+def ownership(model: Layout, named_params: list, optimizer: torch.optim.Optimizer) -> list[str]:
+    """What this rank alone keeps (--inspect): under ZeRO-1, whose optimizer state; under DDP nothing."""
+    return describe_optimizer_share(named_params, optimizer) if optimizer_share(optimizer) else []
+
+
+@ownership.register
+def _(model: SplitLayout, named_params: list, optimizer: torch.optim.Optimizer) -> list[str]:
+    return describe_optimizer_share(named_params, optimizer) if optimizer_share(optimizer) else split_ownership(
+        model.split, named_params)  # fmt: skip
+
+
+@functools.singledispatch
+def split_ownership(split: ModelSplit, named_params: list) -> list[str]:
+    """What of a split model this rank holds, tensor by tensor (--inspect): under ModelSplit nothing of its own."""
+    return []
+
+
+@split_ownership.register
+def _(split: TensorParallel, named_params: list) -> list[str]:
+    lines = []
+    for name, _ in named_params:
+        if split.sliced(name) and len(lines) < 4:
+            dim, parts = split.cuts[name]
+            what = ("rows" if dim == 0 else "columns") + (" of each of q, k and v" if parts == 3 else "")
+            lines.append(f"{name}: slice {split.rank} of {split.n} of its {what}")
+    return [*lines, "... and the embeddings, norms and head whole, as every rank of the group holds them"]
+
+
+@split_ownership.register
+def _(split: StageSplit, named_params: list) -> list[str]:
+    return [f"{split_holdings(split)} ({sum(p.numel() for _, p in named_params):,} weights)"]
+
+
+@split_ownership.register
+def _(split: TensorParallelStage, named_params: list) -> list[str]:
+    return [*split_ownership(split.stage, named_params), *split_ownership.dispatch(TensorParallel)(split, named_params)]
+
+
+@split_ownership.register
+def _(split: ContextParallel, named_params: list) -> list[str]:
+    (i, j), c = split.chunks(split.rank), split.seq_len // (2 * split.n)
+    held = f"positions {i * c}-{(i + 1) * c - 1} and {j * c}-{(j + 1) * c - 1} of every example (chunks {i} and {j} of"
+    return [f"{held} {2 * split.n})", *(split_ownership(split.inner, named_params) or ["every weight whole"])]
+
+
+@ownership.register
+def _(model: ManualFSDP, named_params: list, optimizer: torch.optim.Optimizer) -> list[str]:
+    held = [(n, model.rank * p.numel() if p in model.shard else 0, p.numel(), math.prod(model.shape.get(p, p.shape)))
+            for n, p in named_params[:4]]  # fmt: skip
+    rest = f"... and so on for all {len(named_params)} trained tensors: weights, gradients, optimizer state"
+    return [f"{n}: elements [{a:,}, {min(a + k, w):,}) of {w:,}, flattened" for n, a, k, w in held] + [rest]
+
+
+@ownership.register
+def _(model: SplitTorchFSDP, named_params: list, optimizer: torch.optim.Optimizer) -> list[str]:
+    return [*split_ownership(model.split, named_params), "... each held in rows along the replicas (fully_shard)"]
+
+
+@ownership.register
+def _(model: TorchFSDP, named_params: list, optimizer: torch.optim.Optimizer) -> list[str]:
+    lines = []
+    for n, p in named_params[:4]:  # fully_shard cuts dim 0 into N row blocks, as torch.chunk does
+        rows = math.ceil(p.shape[0] / p.device_mesh.size())
+        start = p.device_mesh.get_local_rank() * rows
+        lines.append(f"{n}: rows [{start:,}, {min(start + rows, p.shape[0]):,}) of {p.shape[0]:,}")
+    return [*lines, f"... and so on for all {len(named_params)} trained tensors: weights, gradients, optimizer state"]
+
+
+@functools.singledispatch
+def held_alike(model: Layout, name: str, p: nn.Parameter) -> bool:
+    """Whether every rank holds parameter `name` (p) bit for bit (--verify-sync compares those): under DDP, each."""
+    return True
+
+
+held_alike.register(ManualFSDP, lambda model, name, p: p not in model.shard)  # outside every unit: whole
+held_alike.register(TorchFSDP, lambda model, name, p: False)  # each rank holds its rows of every parameter
+held_alike.register(SplitTorchFSDP, lambda model, name, p: False)
+held_alike.register(SplitLayout, lambda model, name, p: not model.split.sliced(name))
+held_alike.register(PipelineState, lambda model, name, p: False)  # each stage holds its own blocks
+
+
+@functools.singledispatch
+def gradient_buffers(model: Layout) -> list[torch.Tensor]:
+    """Gradient memory beyond the parameters' .grad (the memory table): none under torch's DDP (.grad is a view)."""
+    return []
+
+
+gradient_buffers.register(ManualDDP, lambda model: [bucket.flat for bucket in model.buckets])  # a second copy
+
+
+@functools.singledispatch
+def holdings(model: Layout) -> str:
+    """What of one replica's model this rank holds, in words (the memory table)."""
+    return "the whole model"
+
+
+holdings.register(SplitLayout, lambda model: split_holdings(model.split))
+
+
+@functools.singledispatch
+def split_holdings(split: ModelSplit) -> str:
+    return "the whole model"
+
+
+split_holdings.register(ContextParallel, lambda split: split_holdings(split.inner))
+split_holdings.register(TensorParallel, lambda split: f"slice {split.rank} of {split.n} of each block's q, k, v and "
+                        "MLP rows and projection columns; embeddings, norms, head whole")  # fmt: skip
+split_holdings.register(TensorParallelStage, lambda split: f"{split_holdings(split.stage)}; of its blocks, "
+                        f"{split_holdings.dispatch(TensorParallel)(split)}")  # fmt: skip
+split_holdings.register(PlannedTensorParallel, lambda split: f"slice {split.rank} of {split.n} of each layer's "
+                        "projections, as the model's tensor-parallel plan cuts them")  # fmt: skip
+
+
+@split_holdings.register
+def _(split: StageSplit) -> str:
+    parts = ["the embeddings"] * split.first + [f"blocks {split.owned.start}-{split.owned.stop - 1}"]
+    return f"stage {split.stage}: " + ", ".join(parts + ["the final norm and head"] * split.last)
+
+
+class Traffic(CommStats):
+    """Counts every collective the wrappers start, by kind and per optimizer step (accumulation's k-1 silent
+    micro-steps send nothing), for the summary and the metrics; for --inspect keeps the local gradients and the
+    bucket layout; for --trace-steps makes each collective a span of the timeline."""
+
+    def __init__(self, model: nn.Module, compress: bool) -> None:
+        super().__init__(compress)
+        self.model = model
+        self.moved: dict[str, list[int]] = {}  # kind -> [calls, bytes], this rank's, over the attempt's steps
+        self.counting = False  # in a training step's collectives (not evaluation's): set by the side work
+        self.steps = 0
+        self.calls = 0
+        self.bytes = 0
+        self.step_layout: dict[int, tuple[int, list[str]]] = {}
+        self.layout: list[tuple[int, list[str]]] = []  # per bucket: (bytes, parameter names)
+        self.local_grads: dict[str, torch.Tensor] | None = None  # set to {} to capture one step
+        self.timeline: Any = None  # --trace-steps: a Timeline, on which each collective becomes a span
+
+    @functools.cached_property
+    def name_of(self) -> dict[int, str]:  # at the first bucket: after tensor parallelism made its parameters
+        return {id(p): name for name, p in self.model.named_parameters()}
+
+    def count(self, kind: str, nbytes: int) -> None:
+        if not self.counting:
+            return
+        moved = self.moved.setdefault(kind, [0, 0])
+        moved[0], moved[1] = moved[0] + 1, moved[1] + nbytes
+
+    def record(self, index: int, nbytes: int, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        self.calls += 1
+        self.bytes += nbytes
+        self.count("all-reduce of gradient buckets", nbytes)
+        self.step_layout[index] = (nbytes, [self.name_of[id(p)] for p in params])
+        if self.local_grads is not None:  # the gradient this rank computed, before averaging
+            for p, g in zip(params, grads, strict=True):
+                self.local_grads[self.name_of[id(p)]] = g.detach().clone()
+
+    def traced(self, future: torch.futures.Future, name: str, args: dict) -> torch.futures.Future:
+        """The collective's future, a span of the timeline's (--trace-steps) from now until it arrives."""
+        if self.timeline is None or not self.timeline.on:
+            return future
+        return self.timeline.collective(name, future, args)
+
+    def mark(self) -> object:
+        """Now on the timeline's clock while it traces, else None: where a span of sends or receives starts."""
+        return self.timeline.now() if self.timeline is not None and self.timeline.on else None
+
+    def span(self, name: str, start: object, args: dict) -> None:
+        """A span from `start` (mark) to now: for point-to-point work, which has no future to wait on."""
+        if start is not None and self.timeline.on:
+            self.timeline.pending.append((name, start, self.timeline.now(), args))
+
+    def per_step(self) -> dict[str, tuple[float, float]]:
+        """Each kind of collective this rank started: (calls, bytes) per optimizer step."""
+        return {kind: (calls / self.steps, nbytes / self.steps) for kind, (calls, nbytes) in self.moved.items()}
+
+    def end_step(self) -> tuple[int, int]:
+        """Close the optimizer step: return (all-reduce calls, bytes) and note the bucket layout."""
+        calls, nbytes = self.calls, self.bytes
+        self.calls, self.bytes, self.steps = 0, 0, self.steps + 1
+        if self.step_layout:
+            self.layout, self.step_layout = [self.step_layout[i] for i in sorted(self.step_layout)], {}
+        return calls, nbytes
 
 
 def describe_gradient_sync(cfg: RunConfig, d: Dist) -> str:
@@ -5181,12 +5382,12 @@ def cannot_split(cfg: RunConfig) -> str | None:
 
 def rank0_state(model: Layout, d: Dist, named_params: list, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """The trained weights and the optimizer's state, whole, on rank 0's CPU ({} elsewhere), numbered as one
-    process's optimizer numbers them, from any layout: a collective (Layout.whole_tensor, then join_stages)."""
+    process's optimizer numbers them, from any layout: a collective (Layout.whole_tensor, then gather_to_rank0)."""
     keep = model.sends_to_rank0(d)
     weights = {n: kept(model.whole_tensor(n, p, p.detach()), keep) for n, p in named_params}
     state = whole_optimizer_state(d, optimizer, named_params, model.whole_tensor, keep)
     moments = {named_params[i][0]: s for i, s in state.get("state", {}).items()}  # by name: stages join by name
-    stages = model.join_stages(d, (weights, moments))
+    stages = model.gather_to_rank0(d, (weights, moments))
     if not d.is_main:
         return {}, {}
     weights = {n: w for stage_weights, _ in stages for n, w in stage_weights.items()}
@@ -5201,7 +5402,7 @@ def whole_optimizer_state(d: Dist, optimizer: torch.optim.Optimizer, named_param
     Under ZeRO-1 each rank holds the state of its own parameters: the optimizer collects them itself."""
     if isinstance(optimizer, ShardedOptimizer):
         return optimizer.state_dict(to=0, group=d.control)  # over Gloo: the state stays off the GPUs
-    if holds_a_share(optimizer):  # torch's ZeroRedundancyOptimizer
+    if optimizer_share(optimizer):  # torch's ZeroRedundancyOptimizer
         optimizer.consolidate_state_dict(to=0)
         return optimizer.state_dict() if d.is_main else {}
     state = optimizer.state_dict()
@@ -5224,7 +5425,7 @@ def load_state(model: Layout, named_params: list, weights: dict, optimizer: torc
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
-    inner = getattr(optimizer, "optim", optimizer)
+    inner = optimizer_share(optimizer) or optimizer
     # A saved group carries how the saving run stepped (fused or a per-tensor loop): this run keeps its own.
     kept = [[{k: g[k] for k in ("fused", "foreach") if k in g} for g in o.param_groups] for o in (optimizer, inner)]
     optimizer.load_state_dict(state)  # ShardedOptimizer and ZeroRedundancyOptimizer keep their own share
@@ -5259,14 +5460,14 @@ def replicated(model: Layout, named_params: list, optimizer: torch.optim.Optimiz
     """(name, tensor) every rank must hold bit for bit (--verify-sync): the averaged gradients, or, given the
     optimizer, the weights and its state, never a slice, a stage's own or a ZeRO-1 share. Under FSDP all are
     gathered whole (a collective): equal unless the gather is broken, as no rank holds another's shard."""
-    alike = [(n, p) for n, p in named_params if model.held_alike(n, p)]
+    alike = [(n, p) for n, p in named_params if held_alike(model, n, p)]
     if optimizer is None:
         return [(f"grad of {n}", p.grad) for n, p in alike if p.grad is not None]
     if model.gathers_in_forward:
         state = optimizer_state_tensors(named_params, optimizer)
         return [(n, model.whole_tensor(n, p, p.detach())) for n, p in named_params] + [
             (what, model.whole_tensor(n, p, t)) for what, n, p, t in state]  # fmt: skip
-    state = [] if holds_a_share(optimizer) else optimizer_state_tensors(alike, optimizer)
+    state = [] if optimizer_share(optimizer) else optimizer_state_tensors(alike, optimizer)
     return [(n, p.detach()) for n, p in alike] + [(what, t) for what, _, _, t in state]
 
 
@@ -5735,6 +5936,30 @@ def crash_on_purpose(kind: str, d: Dist, step: int) -> None:
     raise RuntimeError(f"injected failure on rank {d.rank} at step {step} (--inject-fault)")
 
 
+@contextlib.contextmanager
+def without_stderr_lines(text: str) -> Iterator[None]:
+    """Run the block with file descriptor 2 caught (C++ writes there, past Python's warnings filters), then
+    write back every line but those holding text. Its lines go if the process dies inside the block."""
+    sys.stderr.flush()
+    try:
+        caught = tempfile.TemporaryFile()  # noqa: SIM115 (closed by the with below)
+    except OSError:  # nowhere to catch it: the line shows, the run goes on
+        yield
+        return
+    saved = os.dup(2)
+    with caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            with contextlib.suppress(OSError):  # a closed stderr (the launcher gone) must not mask the block's error
+                os.write(2, b"".join(line for line in caught if text.encode() not in line))
+
+
 class SideWork(Hooks):
     """Everything train() does besides the DDP steps, at its Hooks: resume and the header, the phase timer
     (--time-breakdown), the timeline, faults on purpose, the first step's gradient check, --inspect,
@@ -5754,18 +5979,25 @@ class SideWork(Hooks):
         self.fault: str | None = None
         self.stopped_by: str | None = None  # the signal's name, when a stop request ended the run early
         self.activations: list[int] | None = None  # bytes the first micro-batch's forward kept for backward
+        self.step = self.first_step = 1  # the step running, and this attempt's first (start)
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """The forward's precision; the run's first micro-batch also counts what it saves for backward."""
-        if self.activations is not None or self.cfg.compile:  # (compiled blocks save inside their own graphs)
-            return autocast_for(self.precision, self.d.device)
+        """The forward's precision; the run's first micro-batch also counts what it saves for backward, and the
+        attempt's first step keeps back torch's DDP's one warning that it found no unused parameter (TorchDDP)."""
         stack = contextlib.ExitStack()
         stack.enter_context(autocast_for(self.precision, self.d.device))
-        self.activations = stack.enter_context(saved_for_backward())
+        if self.activations is None and not self.cfg.compile:  # (compiled blocks save inside their own graphs)
+            self.activations = stack.enter_context(saved_for_backward())
+        if self.cfg.ddp == "torch" and self.step == self.first_step:
+            stack.enter_context(without_stderr_lines("find_unused_parameters=True was specified"))
         return stack
 
-    def before_wrap(self, kit: ModelKit, stats: CommStats) -> None:
-        cfg, d, self.stats = self.cfg, self.d, stats
+    def comm_stats(self, compress: bool) -> Traffic:
+        self.stats = Traffic(self.kit.model, compress)
+        return self.stats
+
+    def before_wrap(self, kit: ModelKit, stats: Traffic) -> None:
+        cfg, d = self.cfg, self.d
         params = [p for _, p in trainable_parameters(kit.model)]  # hooked before the wrapper hooks them
         drains = d.pp > 1 and d.pp_rank == d.pp - 1  # a pipeline's last stage
         first_step = self.resume["progress"]["step"] if self.resume else 0
@@ -5782,12 +6014,14 @@ class SideWork(Hooks):
         progress = resume_training(resume, model, named_params, optimizer, self.scaler, d) if resume else Progress()
         announce_run(cfg, d, sampler, steps_per_epoch, self.precision, model, optimizer, named_params)
         self.saver = StateSaver(cfg, d, self.settings, progress.step if resume else None)
+        self.first_step = progress.step + 1
         rank0_writes(d, "the settings", lambda: write_settings(cfg))  # training starts: nothing refused it
         self.reporter = Reporter(cfg, d, self.kit, progress, self.precision, steps_per_epoch)
         return progress
 
     def begin_step(self, step: int) -> None:
         """The step's start; a crash on purpose (kill, raise, hang) happens here and now."""
+        self.step = step
         if self.timeline:
             self.timeline.begin_step(step)
         if self.timed and self.cuda:
@@ -5840,7 +6074,7 @@ class SideWork(Hooks):
             check_gradients_arrived(self.kit.model, self.d)
         if self.stats.local_grads is not None:  # the averaged gradient as the all-reduce left it, before clipping
             report_inspect_step(self.cfg, self.d, step, self.stats, sent, named_params, local_loss_sum.item(),
-                                micro_tokens, model.split.loss_share)  # fmt: skip
+                                micro_tokens, model.loss_share)  # fmt: skip
 
     def non_finite(self, step: int, loss: float, grad_norm: float, local_loss_sum: float) -> None:
         raise_non_finite(self.d, step, loss, grad_norm, local_loss_sum)
@@ -6041,7 +6275,7 @@ def announce_run(cfg: RunConfig, d: Dist, sampler: DistributedSampler, steps_per
         place = (
             f"dp {d.dp_rank} of {d.dp}, pp {d.pp_rank} of {d.pp}, tp {d.tp_rank} of {d.tp}, cp {d.cp_rank} of {d.cp}"
         )
-        print_in_rank_order(d, [place, *describe_shards(sampler), *model.ownership(named_params, optimizer)])
+        print_in_rank_order(d, [place, *describe_shards(sampler), *ownership(model, named_params, optimizer)])
 
 
 def evaluation_due(cfg: RunConfig, kit: ModelKit, step: int) -> bool:
@@ -6063,7 +6297,7 @@ def evaluate(cfg: RunConfig, d: Dist, kit: ModelKit, model: Layout, precision: s
     if model.gathers_in_forward:  # rank 0 holds the most batches; the others join its gathers
         batches += [[val[0]]] * (math.ceil(math.ceil(len(read) / d.dp) / cfg.batch_size) - len(batches))
     for i, batch in enumerate(batches):
-        inputs, targets, *positions = (t.to(d.device) for t in model.split.own_part(trim_padding(batch)))
+        inputs, targets, *positions = (t.to(d.device) for t in model.local_batch(trim_padding(batch)))
         with autocast_for(precision, d.device):
             loss = model.eval_loss(kit, (inputs, targets, *positions)).item()
         if i * cfg.batch_size < len(mine):  # a batch of this rank's own, not one that only joins in
@@ -6072,8 +6306,8 @@ def evaluate(cfg: RunConfig, d: Dist, kit: ModelKit, model: Layout, precision: s
             nbytes += int(val.target_bytes[mine[i * cfg.batch_size : (i + 1) * cfg.batch_size]].sum())
     model.after_evaluation()
     raw.train()
-    share = model.split.loss_share  # one rank of each replica counts its examples
-    loss_sum, tokens, nbytes = all_reduce_sum(d, [loss_sum * share, tokens * share, nbytes * model.split.example_share])
+    share = model.loss_share  # one rank of each replica counts its examples
+    loss_sum, tokens, nbytes = all_reduce_sum(d, [loss_sum * share, tokens * share, nbytes * model.example_share])
     loss = loss_sum / tokens
     # Perplexity is per token, so it depends on the tokenizer; bits per byte does not, and
     # compares the byte-level model with Qwen on the same text.
@@ -6435,7 +6669,7 @@ def measure_memory(d: Dist, kit: ModelKit, model: Layout, optimizer: torch.optim
 
     params = list(kit.trained.parameters())
     # ZeRO-1 (torch's and ours) steps an inner optimizer that holds this rank's share of the state.
-    state = getattr(optimizer, "optim", optimizer).state.values()
+    state = (optimizer_share(optimizer) or optimizer).state.values()
     try:
         import resource  # POSIX only; ru_maxrss is in bytes on macOS, KiB on Linux
 
@@ -6446,12 +6680,12 @@ def measure_memory(d: Dist, kit: ModelKit, model: Layout, optimizer: torch.optim
     mine = {
         "rank": d.rank,
         "parameters": storage_bytes(iter(params)),
-        "gradients": storage_bytes([*(p.grad for p in params if p.grad is not None), *model.gradient_buffers()]),
+        "gradients": storage_bytes([*(p.grad for p in params if p.grad is not None), *gradient_buffers(model)]),
         "optimizer_state": storage_bytes(t for s in state for t in s.values() if torch.is_tensor(t)),
         "activations": activations[0] if activations else None,  # one micro-batch's (saved_for_backward)
         "peak": rss if cuda is None else cuda,  # the peak CUDA allocation on a GPU, else the peak resident set
         "peak_rss": rss,
-        "holds": model.split.holdings(),
+        "holds": holdings(model),
         **predicted,
     }
     ranks = [mine]
@@ -7402,7 +7636,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(launch_local_ranks(cfg, sys.argv[1:] if argv is None else list(argv)))
         if launched_by_torchrun():
             check_rank_variables()
-        d = setup_distributed(cfg, rendezvous_store)
+        d = laid_out(setup_distributed(cfg, rendezvous_store), cfg)  # the ranks as a grid, for any model split
         STOP.install()
         end_with_the_launcher()
         run(cfg, d, started)

@@ -131,9 +131,10 @@ def pipeline_float64(args: list[str], d: t.Dist) -> int:
                     kit = t.ModelKit(model=model, train=None, val=None, loss=lambda m, x, y: float64_loss(m(x), y),
                                      sample=None, save_final=None, final_name="", final_label="",
                                      flops_per_token=0.0, describe="")  # fmt: skip
-                    stats = t.CommStats(model, compress=False)
+                    stats = t.CommStats()
                     pipe = t.Pipeline(kit, cfg, split_d, stats)
-                    micro = t.MicroStep(kit, t.Hooks(), split_d.device)  # no side work
+                    hooks = t.Hooks()  # no side work
+                    micro = t.MicroStep(kit, split_d.device, hooks.autocast, hooks.loss, hooks.mark)
                     for step in range(STEPS):
                         micro_batches = batches(step)
                         sgd_step(reference, micro_batches)
@@ -204,7 +205,7 @@ def ddp_on_a_sub_group(args: list[str], d: t.Dist) -> int:
         model, alone = nn.Linear(8, 4), nn.Linear(8, 4)
         alone.load_state_dict(model.state_dict())
         ddp = t.TorchDDP(model, process_group=pairs[d.rank // 2])
-        ddp.register_comm_hook((ddp.process_group, t.CommStats(model, compress)), t.counting_allreduce_hook)
+        ddp.register_comm_hook((ddp.process_group, t.CommStats(compress)), t.allreduce_hook)
         x = torch.randn(3, 8, generator=torch.Generator().manual_seed(10 + d.rank))
         ddp(x).square().sum().backward()
         alone(x).square().sum().backward()

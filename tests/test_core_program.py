@@ -1,5 +1,7 @@
-"""The teaching core is a program of its own: the text above the banner, saved alone beside corpus.txt,
-trains under torchrun (or as one plain process) and writes the weights the full script writes.
+"""Two programs inside the script, each the text above a line of it, saved alone beside corpus.txt: the DDP
+program (sections 1-6, above section 7's heading) and the teaching core (sections 1-8, above the banner). Each
+trains under torchrun (or as one plain process) and writes the weights the full script writes; the DDP program
+refuses, naming the section, the sharding and model splits that it ends before.
 
 The core's runs are launches of their own (a program started as a user starts it is the subject); the
 full script's reference runs are jobs of a shared launch (conftest.run_jobs: the weights of a launch of
@@ -17,14 +19,27 @@ from conftest import REPO, SCRIPT, TINY, assert_ok, run_cmd, run_jobs, torchrun_
 import llm_ddp_parallel_training as t
 
 
+def saved_alone(folder, name: str, end: str):
+    """The script's text above the first line that starts with `end` (and the rule line before a heading), as
+    `name` beside a copy of the shipped corpus."""
+    lines = SCRIPT.read_text(encoding="utf-8").splitlines(keepends=True)
+    stop = next(i for i, line in enumerate(lines) if line.startswith(end))
+    stop -= lines[stop - 1].startswith("# ---")
+    (folder / name).write_text("".join(lines[:stop]), encoding="utf-8")
+    shutil.copy(REPO / "corpus.txt", folder / "corpus.txt")
+    return folder / name
+
+
 @pytest.fixture
 def core(tmp_path):
-    """The script's text down to the banner, as core.py beside a copy of the shipped corpus."""
-    lines = SCRIPT.read_text(encoding="utf-8").splitlines(keepends=True)
-    banner = next(i for i, line in enumerate(lines) if line.startswith("# ====="))
-    (tmp_path / "core.py").write_text("".join(lines[:banner]), encoding="utf-8")
-    shutil.copy(REPO / "corpus.txt", tmp_path / "corpus.txt")
-    return tmp_path / "core.py"
+    """The script's text down to the banner, as core.py."""
+    return saved_alone(tmp_path, "core.py", "# =====")
+
+
+@pytest.fixture
+def ddp_program(tmp_path):
+    """The script's text above section 7's heading, as ddp.py."""
+    return saved_alone(tmp_path, "ddp.py", "# 7. Sharding:")
 
 
 def weights(path):
@@ -60,3 +75,35 @@ def test_the_core_alone_runs_as_one_process_and_names_what_it_leaves_to_the_full
     assert sorted(p.name for p in (tmp_path / "o").iterdir()) == [t.TINY_FINAL], "no loss.png: --plot was ignored"
     model = t.load_tiny_checkpoint(tmp_path / "o" / t.TINY_FINAL)
     assert model.config.d_model == 32
+
+
+DDP_FLAGS = [*TINY, "--max-steps", "6", "--dropout", "0.1"]  # dropout: each rank's own stream, as the full script's
+
+
+@pytest.mark.parametrize("launch", ["one process", "torch", "manual"])
+def test_the_ddp_program_alone_writes_the_full_scripts_weights_bit_for_bit(ddp_program, tmp_path, launch):
+    flags = [*DDP_FLAGS, *(["--ddp", launch] if launch != "one process" else [])]
+    nproc = None if launch == "one process" else 2
+    args = [*flags, "--output-dir", str(tmp_path / "alone")]
+    cmd = [sys.executable, str(ddp_program), *args] if nproc is None else torchrun_cmd(2, args, script=ddp_program)
+    assert_ok(run_cmd(cmd, 240))
+    full = [*flags, "--output-dir", str(tmp_path / "full"), "--val-fraction", "0"]
+    assert_ok(run_jobs({"full": full}, nproc=nproc, timeout=240)["full"])
+    mine, theirs = weights(tmp_path / "alone" / t.TINY_FINAL), weights(tmp_path / "full" / t.TINY_FINAL)
+    assert mine.keys() == theirs.keys()
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+
+
+@pytest.mark.parametrize(
+    ("flags", "section"),
+    [(["--sharding", "optimizer"], "7 (Sharding)"), (["--tp", "2"], "8 (Model splitting)"),
+     (["--pp", "2"], "8 (Model splitting)"), (["--cp", "2"], "8 (Model splitting)")],
+)  # fmt: skip
+def test_the_ddp_program_refuses_a_sharding_or_split_in_one_line_naming_the_section_that_adds_it(
+    ddp_program, tmp_path, flags, section
+):
+    run = run_cmd([sys.executable, str(ddp_program), *TINY, *flags, "--output-dir", str(tmp_path / "o")], 60)
+    assert run.returncode != 0 and run.stdout == ""
+    assert run.stderr.strip() == (f"error: {' '.join(flags)}: section {section} adds it, and this program ends "
+                                  "before it; run llm_ddp_parallel_training.py")  # fmt: skip
+    assert not (tmp_path / "o").exists(), "a refused run writes nothing"

@@ -93,7 +93,7 @@ class Jobs:
 def four_ranks(tmp_path_factory, tiny_qwen) -> dict[str, tuple[Run, Path]]:
     """The 4-rank runs, in one launch: 2 replicas of a model split in 2."""
     jobs = Jobs(tmp_path_factory.mktemp("four_ranks"))
-    jobs.add("sgd tp x full/torch", [*SGD, "--tp", "2", "--sharding", "full"])
+    jobs.add("sgd tp x full/torch", [*SGD, "--tp", "2", "--sharding", "full", "--inspect"])
     jobs.add("sgd tp x pp", [*SGD, *TP_X_PP])  # one replica: 2 stages, each sliced in 2
     for layout, flags in FOUR_RANK_LAYOUTS.items():
         for which in ("torch", "manual"):
@@ -231,6 +231,13 @@ def test_tp_with_fsdp_over_four_ranks_trains_the_weights_of_ddp(four_ranks, two_
     diff = max_difference(weights(reference), weights(split))
     print(f"tp 2 x fsdp 2 vs 2-rank DDP: max |dweight| = {diff:.3g}")
     assert diff < EXACT
+
+
+def test_inspect_says_what_each_rank_holds_under_tp_with_torchs_fsdp(four_ranks):
+    out = four_ranks["sgd tp x full/torch"][0].stdout  # a 2-D mesh: its rows once failed --inspect (mesh_dim)
+    for r in range(4):
+        assert f"[inspect] rank {r}: blocks.0.attn.qkv.weight: slice {r % 2} of 2 of its rows" in out
+        assert f"[inspect] rank {r}: ... each held in rows along the replicas (fully_shard)" in out
 
 
 def test_tp_inside_pipeline_stages_over_four_ranks_trains_the_weights_of_one_process(four_ranks, one_process):

@@ -307,7 +307,7 @@ def test_optimizer_sharding_stops_on_sigterm_with_a_checkpoint_and_the_same_comm
 
 def test_the_collectives_row_says_first_that_torchs_fully_shard_is_not_counted():
     # Last, after "nothing", the note read as if fully_shard sent nothing.
-    one = t.Dist(0, 0, 1, 1, torch.device("cpu"), None, "one process")
+    one = t.MeshDist(0, 0, 1, 1, torch.device("cpu"), None, "one process")  # (laid out: main's)
     row = t.describe_traffic(t.parse_args(["--sharding", "full"]), one, {})
     assert row == (
         "rank 0, per step: collectives of torch's fully_shard: not counted (out of this script's sight); the rest: "
