@@ -2165,7 +2165,7 @@ class SplitTorchFSDP(SplitLayout, TorchFSDP):
         return global_grad_norm(*self.split.norm_parts(params, dp_sharded=self.gathers_in_forward))
 
     def whole_tensor(self, name: str, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return self.split.to_model_order(name, TorchFSDP.whole_tensor(self, name, p, t))
+        return self.split.to_model_order(name, t.full_tensor()) if hasattr(t, "full_tensor") else t
 
     def tensor_part(self, name: str, p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
         rank_order = self.split.to_rank_order(name, whole) if whole.dim() else whole
@@ -2362,6 +2362,8 @@ def stage_blocks(stage: int, n_layers: int, stages: int) -> range:
 class StageSplit(ModelSplit):
     """A pipeline stage's part of the model: its own parameters whole, the others' none."""
 
+    holds_all = False  # each stage holds its own blocks
+
     def __init__(self, d: Dist, last: bool, first: bool, owned: range) -> None:
         self.group, self.loss_share = d.group("pp"), float(last)  # only the last stage computes the loss
         self.first, self.last, self.owned, self.stage = first, last, owned, d.pp_rank
@@ -2385,34 +2387,6 @@ class TensorParallelStage(TensorParallel):
         return own + alike * (self.rank == 0), [], self.replica
 
 
-class PipelineState:
-    """What a pipeline answers for the rest of the script: the whole state from its stages, each of
-    which holds its own parameters whole (whole_state_dict, rank0_state, --inspect, --verify-sync)."""
-
-    d: Dist
-    group: dist.ProcessGroup
-    split: StageSplit | TensorParallelStage
-
-    rank0_holds_all = False
-
-    def whole_tensor(self, name: str, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return self.split.whole(name, t)  # a stage holds its own parameters whole, or (--tp) gathers its slices
-
-    def tensor_part(self, name: str, p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
-        return self.split.part(name, whole, p)
-
-    def sends_to_rank0(self, d: Dist) -> bool:
-        return d.dp_rank == 0 and d.tp_rank == 0  # the first replica's stages (their first slices)
-
-    def gather_to_rank0(self, d: Dist, mine: object) -> list | None:
-        """Every stage's `mine`, in stage order, on rank 0 (a collective of the first replica's stages)."""
-        if not self.sends_to_rank0(d):
-            return None
-        stages = [None] * d.pp if d.is_main else None
-        dist.gather_object(mine, stages, dst=0, group=self.group)
-        return stages
-
-
 class Stage(nn.Module):
     """A pipeline stage's forward through the parts of the tiny model it holds: the first stage embeds token ids,
     the last ends in the head; the others take hidden states and pass them on."""
@@ -2430,7 +2404,7 @@ class Stage(nn.Module):
         return m.head(m.ln_f(x)) if self.last else x
 
 
-class Pipeline(PipelineState, SplitLayout, Wrapper):
+class Pipeline(SplitLayout, Wrapper):
     """Pipeline parallelism over the pipeline group: this rank holds one stage, a run of whole
     blocks (the first stage the embeddings too, the last the final norm and head), and the step's
     --grad-accum-steps micro-batches flow through the stages, activations forward and their
@@ -2464,6 +2438,17 @@ class Pipeline(PipelineState, SplitLayout, Wrapper):
     @property
     def all_reduces_buckets(self) -> bool:
         return self.sync is not None  # the stage's replicas average its gradients in DDP's buckets
+
+    def sends_to_rank0(self, d: MeshDist) -> bool:
+        return d.dp_rank == 0 and d.tp_rank == 0  # the first replica's stages (their first slices)
+
+    def gather_to_rank0(self, d: MeshDist, mine: object) -> list | None:
+        """Every stage's `mine`, in stage order, on rank 0 (a collective of the first replica's stages)."""
+        if not self.sends_to_rank0(d):
+            return None
+        stages = [None] * d.pp if d.is_main else None
+        dist.gather_object(mine, stages, dst=0, group=self.group)
+        return stages
 
     def padded(self, batch: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """Every micro-batch at --seq-len: the stages exchange activations of one shape."""
@@ -2758,7 +2743,7 @@ class RingAttention(torch.autograd.Function):
 def split_model(kit: ModelKit, cfg: RunConfig, d: MeshDist, stats: CommStats) -> None:
     """Tensor and context parallelism applied to the model in place (kit.split), before any hook sees its
     parameters. Under --pp each stage slices its own blocks (TensorParallelStage), once the pipeline cuts them."""
-    if kit.split is None and d.pp == 1 and d.tp * d.cp > 1:
+    if cfg.tp * cfg.pp * cfg.cp > 1 and kit.split is None and d.pp == 1 and d.tp * d.cp > 1:
         tp = TensorParallel(kit.model, d, cfg.ddp == "manual", stats) if d.tp > 1 else None
         kit.split = ContextParallel(d.group("cp"), kit.model, stats, tp) if d.cp > 1 else tp
 
@@ -2766,7 +2751,7 @@ def split_model(kit: ModelKit, cfg: RunConfig, d: MeshDist, stats: CommStats) ->
 def split_layout(kit: ModelKit, cfg: RunConfig, d: MeshDist, stats: CommStats) -> Layout | None:
     """The split model as every rank trains it: a pipeline's stage, or slices (and chunks) averaged by DDP over
     their replicas, sharded by FSDP, or alone where one replica spans every rank."""
-    if d.tp * d.pp * d.cp == 1:
+    if cfg.tp * cfg.pp * cfg.cp == 1 or d.tp * d.pp * d.cp == 1:  # (one process: nothing to split)
         return None
     if d.pp > 1:
         return (TorchPipeline if cfg.ddp == "torch" else Pipeline)(kit, cfg, d, stats)
@@ -2789,7 +2774,8 @@ def split_layout(kit: ModelKit, cfg: RunConfig, d: MeshDist, stats: CommStats) -
     return layout
 
 
-LAYOUT_MAKERS.append(LayoutMaker(("tp", "pp", "cp"), ranks=laid_out, cut=split_model, wrap=split_layout))
+LAYOUT_MAKERS.append(LayoutMaker(("tp", "pp", "cp"), cut=split_model, wrap=split_layout, ranks=lambda d, cfg: (
+    laid_out(d, cfg) if cfg.tp * cfg.pp * cfg.cp > 1 else d)))  # fmt: skip
 
 
 if __name__ == "__main__" and "\n# =====" not in Path(__file__).read_text(encoding="utf-8"):
@@ -5190,7 +5176,7 @@ held_alike.register(ManualFSDP, lambda model, name, p: p not in model.shard)  # 
 held_alike.register(TorchFSDP, lambda model, name, p: False)  # each rank holds its rows of every parameter
 held_alike.register(SplitTorchFSDP, lambda model, name, p: False)
 held_alike.register(SplitLayout, lambda model, name, p: not model.split.sliced(name))
-held_alike.register(PipelineState, lambda model, name, p: False)  # each stage holds its own blocks
+held_alike.register(Pipeline, lambda model, name, p: False)  # each stage holds its own blocks
 
 
 @functools.singledispatch

@@ -308,7 +308,7 @@ def test_the_lean_head_gives_the_full_logits_loss_and_gradients(tiny_qwen, chat_
     # Chunks of 7 target tokens, so every batch crosses several chunk boundaries.
     monkeypatch.setattr(t.LeanHeadLoss, "CHUNK", 7)
     cfg = t.parse_args(qwen_args(tiny_qwen, tmp_path, "--seq-len", "128", *(["--pack"] if pack else [])))
-    d = t.setup_distributed(cfg)  # one plain process
+    d = t.laid_out(t.setup_distributed(cfg), cfg)  # one plain process, laid out as main lays it
     records, _ = t.read_records(t.Path(chat_file), "auto")
     kit = t.build_pretrained_kit(cfg, d, records[:24], [])
     kit.model.eval()  # LoRA dropout off: both paths must see the same network

@@ -172,7 +172,7 @@ def test_a_packed_row_gives_each_example_its_own_loss(name, family_dirs, tmp_pat
     cfg = t.parse_args(hf_args(model_dir, tmp_path, "--pack", "--seq-len", "256", *FAMILIES[name].flags))
     records = [t.Record(messages=tuple((m["role"], m["content"]) for m in conversation(name)[-k:])) for k in (2, 4)]
     records.append(t.Record(text="every gradient, averaged"))
-    kit = t.build_pretrained_kit(cfg, t.setup_distributed(cfg), records, [])
+    kit = t.build_pretrained_kit(cfg, t.laid_out(t.setup_distributed(cfg), cfg), records, [])
     kit.model.eval()
     assert len(kit.train) == 1, "all three fit one row"
     rows = stacked(kit.train)

@@ -121,7 +121,7 @@ def test_saved_adapter_reloads_with_the_trained_logits_and_the_base_is_untouched
     from transformers import AutoModelForCausalLM
 
     cfg = t.parse_args(qwen_args(tiny_qwen, tmp_path, "--max-steps", "4"))
-    d = t.setup_distributed(cfg)  # one plain process
+    d = t.laid_out(t.setup_distributed(cfg), cfg)  # one plain process, laid out as main lays it
     kit = t.build_pretrained_kit(cfg, d, [t.Record(text=line) for line in corpus_lines], [])
     base_before = {k: v.clone() for k, v in kit.model.named_parameters() if not v.requires_grad}
     t.train(cfg, d, kit)  # the loop alone, no side work (Hooks' defaults)
@@ -150,7 +150,8 @@ def test_an_adapter_trained_on_a_relative_model_folder_loads_with_its_base_from_
 
     monkeypatch.chdir(tiny_qwen.parent)
     cfg = t.parse_args(qwen_args(tiny_qwen.name, tmp_path / "out"))
-    kit = t.build_pretrained_kit(cfg, t.setup_distributed(cfg), [t.Record(text=line) for line in corpus_lines], [])
+    d = t.laid_out(t.setup_distributed(cfg), cfg)  # one plain process, laid out as main lays it
+    kit = t.build_pretrained_kit(cfg, d, [t.Record(text=line) for line in corpus_lines], [])
     kit.save_final(kit.model, 0)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # offline, like the launched runs
