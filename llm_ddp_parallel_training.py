@@ -726,7 +726,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        # As many heads as qkv gives: all of them here.
+        # q, k and v as (B, heads, T, head_dim), the heads counted from qkv's output (-1)
         q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in self.qkv(x).chunk(3, dim=2))
         with self.own_dropout():
             y = self.attend(q, k, v, dropout_p=self.dropout if self.training else 0.0)
