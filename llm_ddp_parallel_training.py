@@ -3295,7 +3295,6 @@ def describe_nodes(d: Dist) -> str | None:
     dist.all_gather_object(every, mine, d.control)
     nodes = {node: [r for r, other in enumerate(every) if other == node] for node in dict.fromkeys(every)}
     NODES.update({r: f"node {node[0]} ({node[1]}, {node[2]})" for node, ranks in nodes.items() for r in ranks})
-    threading.Thread(target=beat, args=(d.rank,), daemon=True).start()
     env = os.environ  # torch 2.13's agent on the store's host keeps its first round's store address, never resent:
     stuck = env.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0" and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     return f"[nodes] {len(nodes)} nodes: " + "; ".join(
@@ -7367,6 +7366,7 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
     log(d, f"[connect] backend {d.backend or 'none'} on {d.device}: {d.why}")
     if nodes := describe_nodes(d):
         log(d, nodes)
+        threading.Thread(target=beat, args=(d.rank,), daemon=True).start()  # for stalled_ranks, should a node go
     if not cfg.show_examples:  # first: before this run reads or clears anything in the folder
         rank0_then_share(d, "could not write the outputs", lambda: OUTPUT_LOCK.hold(cfg.output_dir), UsageError)
     if rank0_then_share(d, "could not read the stop marker", lambda: stopped_in_an_earlier_attempt(cfg, d)):
