@@ -73,7 +73,7 @@ def test_every_ddp_mechanism_and_the_whole_training_loop_come_within_the_first_1
 
 def test_one_banner_separates_the_teaching_core_from_the_production_machinery():
     stops = [i for i, line in enumerate(LINES, 1) if "A reader who came for DDP may stop here" in line]
-    assert len(stops) == 1
+    assert len(stops) == 1, f"banner lines at {stops}"
     assert first_line("# 8. Model splitting:") < stops[0] < first_line("# 9. Command line:")
 
 
@@ -105,7 +105,7 @@ def test_the_readmes_reading_path_names_functions_in_the_sections_it_gives():
     readme = (SCRIPT.parent / "README.md").read_text(encoding="utf-8")
     path = readme.split("### Read the code", 1)[1].split("\n\n", 2)[2]
     steps = re.findall(r"^\d+\. \*\*(.+?)\*\* \(section (\d+)\)", path, re.M)
-    assert len(steps) == 8
+    assert len(steps) == 8, steps
     starts = {int(n): first_line(f"# {n}. {name}:") for n, name in section_banners()}
     defined = {n.name: n.lineno for n in ast.parse(SOURCE).body if hasattr(n, "name")}
     for names, section in steps:

@@ -187,7 +187,7 @@ def test_accumulation_all_reduces_once_per_optimizer_step(runs, ddp):
     # the first micro-step ran inside no_sync() and sent nothing.
     one = sent_per_step(runs[f"{ddp}2 ranks x 4"][0])
     two = sent_per_step(runs[f"{ddp}2 ranks x 2 x accumulation 2"][0])
-    assert len(one) == len(two) == 5
+    assert len(one) == len(two) == 5, (one, two)
     assert len(set(one + two)) == 1, (one, two)
     if not ddp:
         assert one[0] == "1 bucket(s), 0.12 MiB"

@@ -122,7 +122,7 @@ def test_ranks_end_with_a_checkpoint_when_their_nproc_launcher_is_killed(tmp_pat
             assert proc.poll() is None and time.monotonic() < started + 240, log.read_text()
             time.sleep(0.2)
         ranks = [int(pid) for pid in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
-        assert len(ranks) == 2
+        assert len(ranks) == 2, f"the launcher's children: {ranks}"
         proc.kill()
         proc.wait()
         # Within 30 s, or on a machine so busy that the start took longer, within that.

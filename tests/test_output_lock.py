@@ -163,7 +163,7 @@ def test_a_lock_taken_on_a_run_lock_that_a_releasing_run_just_removed_is_taken_a
     monkeypatch.setattr(t, "lock_file", released_meanwhile)
     lock.hold(tmp_path)
     try:
-        assert len(taken) == 2
+        assert len(taken) == 2, f"lock attempts: {taken}"
         assert os.path.samestat(os.fstat(lock.file.fileno()), os.stat(tmp_path / "run.lock"))
     finally:
         lock.file.close()

@@ -134,7 +134,7 @@ def test_a_second_run_reuses_the_cache_and_trains_identically(one_process):
     assert same_weights(
         one_process.out("reuse_1") / "tiny_transformer.pt", one_process.out("reuse_2") / "tiny_transformer.pt"
     )
-    assert len(caches(cache)) == 1
+    assert len(caches(cache)) == 1, caches(cache)
 
 
 @pytest.mark.parametrize("damage", DAMAGES)
@@ -249,7 +249,8 @@ def test_a_machine_that_cannot_see_rank_0s_cache_builds_its_own(tmp_path):
     assert other.returncode == 0, other_out
     assert (run.stdout + other_out).count("[cache] built") == 2
     for k in (0, 1):
-        assert len(caches(tmp_path / f"node{k}" / "llm_ddp_parallel_training")) == 1
+        found = caches(tmp_path / f"node{k}" / "llm_ddp_parallel_training")
+        assert len(found) == 1, found
 
 
 # ----- memory per rank, a full disk, the tiny path's imports -----
