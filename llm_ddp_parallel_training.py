@@ -214,6 +214,8 @@ class RunConfig:
     gradient_checkpointing: bool = flag(False, "recompute activations in backward to save memory", action="store_true")
     finetune: str = flag("lora", "lora: train adapters only; full: train every weight (needs --sharding full to fit "
                          "where DDP does not)", choices=["lora", "full"])  # fmt: skip
+    head_loss: str = flag("fused", "the head's loss, chunk by chunk: fused finds its gradients in forward, chunked "
+                          "recomputes in backward; full: all logits", choices=["fused", "chunked", "full"])  # fmt: skip
 
     batch_size: int = flag(8, "examples per rank per step", "optimisation", within=POSITIVE)
     max_steps: int = flag(None, "optimizer steps, across epochs (default: 600, or no cap when --epochs is given)",
@@ -354,13 +356,12 @@ class Dist:
         """This process's place in a process group already started: for using ManualDDP,
         ShardedOptimizer or ManualFSDP in a script of your own."""
         backend = dist.get_backend()
-        cuda = backend == "nccl"
         return cls(
             rank=dist.get_rank(),
             local_rank=int(os.environ.get("LOCAL_RANK", "0")),
             world_size=dist.get_world_size(),
             local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
-            device=torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
+            device=torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu"),
             backend=backend,
             why="a process group started by the caller",
         )
@@ -1510,8 +1511,6 @@ if __name__ == "__main__" and "\n# 7. Sharding:" not in Path(__file__).read_text
 
 # torch 2.13 renamed the two collectives of sharding (the old names now warn); older torch has only those.
 all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-
-
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
@@ -4654,11 +4653,12 @@ def build_pretrained_kit(
             source = f"--eval-file {cfg.eval_file}" if cfg.eval_file else f"--val-fraction {cfg.val_fraction}"
             raise UsageError(f"held-out records ({source}): {e}") from None
 
+    head, head_note = loss_path(model, cfg.head_loss, d.tp)
     return ModelKit(
         model=model,
         train=train,
         val=val,
-        **loss_path(model),
+        **head,
         sample=sample,
         save_final=save_final,
         final_name=final,
@@ -4672,7 +4672,7 @@ def build_pretrained_kit(
             if lora
             else ", every weight trained"
         )
-        + f": {trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.3f}%)",
+        + f": {trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.3f}%){head_note}",
         blocks=list(decoder_body(model).layers),
         collate=collate_for(cfg),
         reload=functools.partial(reload_pretrained, cfg, dtype, d.device),
@@ -4843,39 +4843,88 @@ def gpu_computes_bf16() -> bool:
 
 class LeanHeadLoss(nn.Module):
     """A causal LM whose forward returns the loss sum without full logits (151,936 of them a token dwarf a LoRA
-    step): the head runs only at target positions, in checkpointed chunks. DDP wraps this module. No mask:
+    step): the head runs only at target positions, chunk by chunk, fused (FusedHeadLoss: each chunk's gradients
+    found in forward) or chunked (each chunk checkpointed, recomputed in backward). DDP wraps this module. No mask:
     padding sits right, and packed rows get their block-diagonal mask from position_ids."""
 
-    CHUNK = 1024  # target tokens per head chunk: 1024 x 151,936 fp32 logits = 622 MB
+    CHUNK = 1024  # target tokens per checkpointed chunk (--head-loss chunked): 1024 x 151,936 fp32 logits = 622 MB
 
-    def __init__(self, lm: nn.Module) -> None:
+    def __init__(self, lm: nn.Module, fused: bool = False) -> None:
         super().__init__()
-        self.lm = lm  # the PEFT model; its body and head are looked up, not registered twice
+        self.lm, self.fused = lm, fused  # the PEFT model; its body and head are looked up, not registered twice
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         body, head = decoder_body(self.lm), causal_lm(self.lm).get_output_embeddings()
         hidden = body(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
         keep = targets != IGNORE_INDEX
+        if self.fused:
+            chunk = FusedHeadLoss.TRAINED_ROWS if head.weight.requires_grad else FusedHeadLoss.FROZEN_ROWS
+            return FusedHeadLoss.apply(hidden[keep], head.weight, targets[keep], chunk, torch.is_grad_enabled())
         total = hidden.new_zeros((), dtype=torch.float32)
         for h, y in zip(hidden[keep].split(self.CHUNK), targets[keep].split(self.CHUNK), strict=True):
             total = total + checkpoint(head_loss_sum, head, h, y, use_reentrant=False)
         return total
 
 
-def loss_path(model: nn.Module) -> dict:
-    """The lean head where logits are the head's plain output; the model's own forward where it rescales them
-    (Gemma's soft-capping, Cohere's logit scale)."""
-    config = causal_lm(model).config
+class FusedHeadLoss(torch.autograd.Function):
+    """The head's cross-entropy summed over target rows, its gradients found in forward (--head-loss fused), chunk
+    by chunk: no logits kept for backward, none recomputed. For rows h with targets y, z = h W^T: the loss is
+    -log_softmax(z)_y; with g = softmax(z) - onehot(y), dh = g W, and dW += g^T h (fp32) where the head trains.
+    Backward scales them by the loss's own gradient (the global-token scale); a tied embedding's weight gets dW
+    added by autograd, as any second use of a tensor."""
+
+    # Rows a chunk: a frozen head (LoRA) holds one chunk's fp32 logits at a time (256 x 151,936 x 4 B = 156 MB); a
+    # trained one also reads and writes all of dW once a chunk: fewer, larger chunks (benchmarks/lm_head_memory.py).
+    FROZEN_ROWS, TRAINED_ROWS = 256, 2048
+
+    @staticmethod
+    def forward(ctx: object, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int,
+                with_grads: bool) -> torch.Tensor:  # fmt: skip
+        exact = torch.promote_types(weight.dtype, torch.float32)  # fp32 sums (fp64 for gradcheck)
+        grad_hidden = torch.empty_like(hidden) if with_grads else None
+        trains = with_grads and weight.requires_grad
+        grad_weight = torch.zeros(weight.shape, dtype=exact, device=weight.device) if trains else None
+        total = torch.zeros((), dtype=exact, device=hidden.device)
+        for at in range(0, len(hidden), rows):
+            h, y = hidden[at : at + rows], targets[at : at + rows]
+            z = torch.log_softmax((h @ weight.T).to(exact), dim=-1)  # as F.cross_entropy rounds it
+            total -= z.gather(1, y[:, None]).sum()
+            if with_grads:
+                g = z.exp_()  # the softmax, in the log-probabilities' own memory
+                g[torch.arange(len(y), device=y.device), y] -= 1
+                grad_hidden[at : at + rows] = g.to(weight.dtype) @ weight
+                if grad_weight is not None:
+                    grad_weight.addmm_(g.T, h.to(exact))
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx: object, grad_total: torch.Tensor) -> tuple:
+        grad_hidden, grad_weight = ctx.saved_tensors
+        dw = None if grad_weight is None else (grad_weight * grad_total).to(ctx.weight_dtype)
+        return grad_hidden * grad_total.to(grad_hidden.dtype), dw, None, None, None
+
+
+def loss_path(model: nn.Module, head_loss: str, tp: int) -> tuple[dict, str]:
+    """--head-loss: fused or chunked, the lean head (LeanHeadLoss), where logits are the head's plain output; the
+    model's own forward (full) where asked, or where a model rescales its logits (Gemma's soft-capping, Cohere's
+    logit scale). Under --tp the head's weight is a DTensor slice: chunked. The choice and why, for the header."""
+    config, head = causal_lm(model).config, causal_lm(model).get_output_embeddings()
     if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None) not in (None, 1.0):
-        return {
-            "loss": lambda m, ids, targets, positions=None: token_loss_sum(
-                m(input_ids=ids, position_ids=positions, use_cache=False).logits, targets
-            )
-        }
+        head_loss, why = "full", " (the model rescales its logits)" if head_loss != "full" else ""
+    elif head_loss == "fused" and (tp > 1 or type(head) is not nn.Linear or head.bias is not None):
+        head_loss, why = "chunked", " (the head is not a plain Linear here)" if tp == 1 else " (--tp slices the head)"
+    else:
+        why = ""
+    note = f"; head loss {head_loss}{why}"
+    if head_loss == "full":
+        return {"loss": lambda m, ids, targets, positions=None: token_loss_sum(
+            m(input_ids=ids, position_ids=positions, use_cache=False).logits, targets)}, note  # fmt: skip
     return {
-        "loss_module": LeanHeadLoss(model),
+        "loss_module": LeanHeadLoss(model, fused=head_loss == "fused"),
         "loss": lambda m, ids, targets, positions=None: m(ids, targets, positions),
-    }
+    }, note
 
 
 def head_loss_sum(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -257,6 +257,7 @@ LONGEST_FIRST = [
     "test_around_the_loop.py",
     "test_two_hosts.py",
     "test_memory_benchmark.py",
+    "test_head_loss_memory.py",
     "test_faults.py",
     "test_training_features.py",
     "test_model_families.py",

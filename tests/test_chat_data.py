@@ -303,11 +303,18 @@ def test_a_packed_example_gives_the_same_logits_as_alone_and_keeps_its_own_targe
     assert (leaky[starts[1] : starts[2]] - row[starts[1] : starts[2]]).abs().max().item() > 1e-3
 
 
+@pytest.mark.parametrize("head", ["fused", "chunked"])
+@pytest.mark.parametrize("finetune", ["lora", "full"])  # full: the tied head and embedding weight trains
 @pytest.mark.parametrize("pack", [False, True])
-def test_the_lean_head_gives_the_full_logits_loss_and_gradients(tiny_qwen, chat_file, tmp_path, monkeypatch, pack):
+def test_the_lean_head_gives_the_full_logits_loss_and_gradients(
+    tiny_qwen, chat_file, tmp_path, monkeypatch, pack, finetune, head
+):
     # Chunks of 7 target tokens, so every batch crosses several chunk boundaries.
     monkeypatch.setattr(t.LeanHeadLoss, "CHUNK", 7)
-    cfg = t.parse_args(qwen_args(tiny_qwen, tmp_path, "--seq-len", "128", *(["--pack"] if pack else [])))
+    monkeypatch.setattr(t.FusedHeadLoss, "FROZEN_ROWS", 7)
+    monkeypatch.setattr(t.FusedHeadLoss, "TRAINED_ROWS", 7)
+    flags = ["--seq-len", "128", "--finetune", finetune, "--head-loss", head, *(["--pack"] if pack else [])]
+    cfg = t.parse_args(qwen_args(tiny_qwen, tmp_path, *flags))
     d = t.laid_out(t.setup_distributed(cfg), cfg)  # one plain process, laid out as main lays it
     records, _ = t.read_records(t.Path(chat_file), "auto")
     kit = t.build_pretrained_kit(cfg, d, records[:24], [])
@@ -321,8 +328,9 @@ def test_the_lean_head_gives_the_full_logits_loss_and_gradients(tiny_qwen, chat_
     full_grads = torch.autograd.grad(full, params)
     assert lean.item() == pytest.approx(full.item(), rel=1e-5)
     worst = max(((a - b).norm() / b.norm()).item() for a, b in zip(lean_grads, full_grads, strict=True) if b.norm() > 0)
-    print(f"lean head vs full logits: loss {lean.item():.6f} vs {full.item():.6f}, worst relative gradient {worst:.2g}")
+    print(f"{head} head vs full logits: loss {lean.item():.6f} vs {full.item():.6f}, worst gradient {worst:.2g}")
     assert worst <= 1e-5
+    assert f"; head loss {head}" in kit.describe
 
 
 @pytest.mark.parametrize("record, expected", UNUSABLE)
@@ -434,3 +442,25 @@ def test_packed_micro_batches_keep_examples_apart_on_the_flash_attention_path(ti
     assert flattened <= 1e-5
     assert as_rows > 1e-3, "the emulation reproduces the leak of rows under flash: the test can tell"
     assert targets.flatten().tolist() == rows[1].flatten().tolist(), "the same targets, laid end to end"
+
+
+FUSED_CASES = {  # (inputs) -> the loss, through FusedHeadLoss with chunks of 4 rows
+    "11 rows across chunk boundaries": lambda h, h2, w, frozen, y, y2: t.FusedHeadLoss.apply(h, w, y, 4, True),
+    "a tied embedding and head": lambda h, h2, w, frozen, y, y2: t.FusedHeadLoss.apply(w[y.flip(0)] * h, w, y, 4, True),
+    "a frozen head": lambda h, h2, w, frozen, y, y2: t.FusedHeadLoss.apply(h, frozen, y, 4, True),
+    "two micro-batches, each under its loss scale": lambda h, h2, w, frozen, y, y2: (
+        0.3 * t.FusedHeadLoss.apply(h, w, y, 4, True) + 0.7 * t.FusedHeadLoss.apply(h2, w, y2, 4, True)
+    ),
+}
+
+
+@pytest.mark.parametrize("case", FUSED_CASES)
+def test_the_fused_head_passes_a_float64_gradient_check(case):
+    # The head's rows are already the target rows (LeanHeadLoss drops the rest): 11 and 7 of them, a vocabulary of 13.
+    torch.manual_seed(0)
+    h, h2, w = (torch.randn(n, 5, dtype=torch.float64, requires_grad=True) for n in (11, 7, 13))
+    y, y2 = torch.randint(13, (11,)), torch.randint(13, (7,))
+    frozen, loss = torch.randn(13, 5, dtype=torch.float64), FUSED_CASES[case]  # a head no gradient reaches
+    assert torch.autograd.gradcheck(lambda h, h2, w: loss(h, h2, w, frozen, y, y2), (h, h2, w))
+    reference = torch.nn.functional.cross_entropy(h @ w.T, y, reduction="sum")  # in float64, as the fused head
+    assert t.FusedHeadLoss.apply(h, w, y, 4, True).item() == pytest.approx(reference.item(), rel=1e-12)

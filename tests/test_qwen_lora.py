@@ -66,8 +66,18 @@ def two_ranks(tiny_qwen, tmp_path_factory) -> Shared:
         "checkpointing": qwen_args(tiny_qwen, root / "checkpointing", "--max-steps", "3", "--gradient-checkpointing"),
         "whole": qwen_args(tiny_qwen, root / "whole", *RESUME_FLAGS),
         "hub_typo": qwen_args(HUB_TYPO, root / "hub_typo"),
+        **head_jobs(tiny_qwen, root),
     }
     return share(root, jobs, nproc=2)
+
+
+def head_jobs(tiny_qwen, root) -> dict[str, list[str]]:
+    """Six fp32 steps of LoRA and of full fine-tuning through each head loss (--head-loss). SGD: AdamW divides each
+    gradient by its own running size, which turns rounding in a gradient near zero into a step of the full lr."""
+    return {f"{finetune}-{head}": qwen_args(tiny_qwen, root / f"{finetune}-{head}", "--finetune", finetune,
+                                            "--head-loss", head, "--max-steps", "6", "--log-every", "1",
+                                            "--optimizer", "sgd")
+            for finetune in ("lora", "full") for head in ("fused", "full")}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +88,7 @@ def one_process(tiny_qwen, tmp_path_factory) -> Shared:
     jobs = {
         "no_such_model": qwen_args(root / "no_such_model" / "no_such_model", root / "no_such_model"),
         "lora_targets": qwen_args(tiny_qwen, root / "lora_targets", "--lora-targets", "q_proj,query_key_value"),
+        **head_jobs(tiny_qwen, root),
     }
     return share(root, jobs, nproc=None)
 
@@ -114,6 +125,24 @@ def test_gradient_checkpointing_under_ddp_still_trains_the_adapters(two_ranks):
     assert_ok(two_ranks["checkpointing"])
     _, weights = saved_adapter(two_ranks.out("checkpointing"))
     assert all(v.abs().sum() > 0 for k, v in weights.items() if "lora_B" in k)
+
+
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+@pytest.mark.parametrize("launch", ["one_process", "two_ranks"])
+def test_the_fused_head_trains_what_full_logits_train_within_1e_5(request, launch, finetune):
+    runs = request.getfixturevalue(launch)
+    fused, full = runs[f"{finetune}-fused"], runs[f"{finetune}-full"]
+    assert_ok(fused)
+    assert_ok(full)
+    assert "; head loss fused" in fused.stdout and "; head loss full" in full.stdout
+    assert len(fused.losses()) == 6 and fused.losses() == pytest.approx(full.losses(), rel=1e-5, abs=0)
+    from safetensors.torch import load_file
+
+    name = "qwen_lora/adapter_model.safetensors" if finetune == "lora" else "qwen_full/model.safetensors"
+    a, b = (load_file(runs.out(f"{finetune}-{head}") / name) for head in ("fused", "full"))
+    worst = max((a[k] - b[k]).abs().max().item() for k in b)
+    print(f"{launch}, {finetune}: fused vs full logits after 6 steps, largest weight difference {worst:.2g}")
+    assert a.keys() == b.keys() and worst <= 1e-5
 
 
 def test_saved_adapter_reloads_with_the_trained_logits_and_the_base_is_untouched(tiny_qwen, tmp_path, corpus_lines):
