@@ -1,6 +1,6 @@
 """The GPU check: one command, no network, one GPU, under 8 minutes; one table and one JSON.
 
-    python benchmarks/gpu_check.py               # on a CUDA machine: the six configurations below
+    python benchmarks/gpu_check.py               # on a CUDA machine: the configurations below (CONFIGS)
     python benchmarks/gpu_check.py --smoke       # CPU, in this process, fp32, toy sizes: checks the harness (CI)
 
 Each configuration trains through llm_ddp_parallel_training.py as a user starts it (torchrun, one rank,
@@ -11,7 +11,8 @@ and packing has padding to remove. Reported per configuration: tokens/s (real to
 median of the logged windows after the warm-up steps; the peak CUDA allocation beside the state the
 script's memory table predicts (weights, gradients, AdamW moments; activations are not in it); wall
 seconds of the launch. With `trl` importable, TRL's SFTTrainer runs the first configuration's data, batch
-and steps. A configuration that fails gets an error row; the others still run.
+and steps, with checkpointing off and on, and again with `liger-kernel` (use_liger_kernel=True) where it is
+importable. A configuration that fails gets an error row; the others still run.
 
 Writes OUT/gpu_check.json (--out, default a temp folder) and OUT/logs/; the models and runs it built
 are removed at the end.
@@ -67,13 +68,26 @@ class Config:
     finetune: str  # lora or full
     pack: bool
     compile: bool = False
+    head_loss: str = "fused"  # the script's --head-loss
+    checkpointing: bool = False  # --gradient-checkpointing (TRL: gradient_checkpointing=True)
+    trainer: str = "script"  # or "trl", or "trl+liger" (SFTConfig(use_liger_kernel=True))
 
 
+# The goal's questions first (issue 48: ours against TRL + Liger, checkpointing off and on), then what each of the
+# script's choices costs; a row that would start past the budget is skipped, so the last rows go first.
+TRL = {"model": "0.5B", "finetune": "lora", "pack": False}  # TRL's rows: the first row's data, batch and steps
 CONFIGS = (
     Config("0.5B LoRA", "0.5B", "lora", pack=False),
+    Config("TRL SFTTrainer + Liger, 0.5B LoRA's data and steps", **TRL, trainer="trl+liger"),
+    Config("0.5B LoRA, --gradient-checkpointing", "0.5B", "lora", pack=False, checkpointing=True),
+    Config("TRL SFTTrainer + Liger, gradient checkpointing", **TRL, checkpointing=True, trainer="trl+liger"),
+    Config("TRL SFTTrainer, 0.5B LoRA's data and steps", **TRL, trainer="trl"),
+    Config("TRL SFTTrainer, gradient checkpointing", **TRL, checkpointing=True, trainer="trl"),
+    Config("0.5B LoRA, --head-loss chunked", "0.5B", "lora", pack=False, head_loss="chunked"),
+    Config("0.5B LoRA, --head-loss full", "0.5B", "lora", pack=False, head_loss="full"),
     Config("0.5B LoRA packed", "0.5B", "lora", pack=True),
     Config("0.5B full", "0.5B", "full", pack=False),
-    Config("0.5B full packed", "0.5B", "full", pack=True),
+    Config("0.5B full, --head-loss chunked", "0.5B", "full", pack=False, head_loss="chunked"),
     Config("1.5B full packed", "1.5B", "full", pack=True),
     Config("0.5B LoRA packed, torch.compile", "0.5B", "lora", pack=True, compile=True),
 )
@@ -91,8 +105,8 @@ class Sizes:
     budget_s: float  # all of them: a launch that would start past it is skipped (the issue's 8 minutes, less margin)
 
 
-GPU_SIZES = Sizes(
-    batch_size=16, seq_len=512, steps=40, log_every=5, warmup=10, examples=2000, timeout_s=240, budget_s=420
+GPU_SIZES = Sizes(  # 13 rows of 25-40 s each on an H200 (the 2026-12-04 run's launches, at 40 steps): 30 steps
+    batch_size=16, seq_len=512, steps=30, log_every=5, warmup=10, examples=2000, timeout_s=240, budget_s=440
 )
 SMOKE_SIZES = Sizes(batch_size=4, seq_len=64, steps=3, log_every=1, warmup=1, examples=200, timeout_s=120, budget_s=300)
 
@@ -191,7 +205,8 @@ def script_args(c: Config, sizes: Sizes, model: Path, corpus: Path, run: Path, s
             "--batch-size", str(sizes.batch_size), "--max-steps", str(sizes.steps), "--log-every",
             str(sizes.log_every), "--val-fraction", "0", "--cache-dir", "none", "--sample-tokens", "1",
             "--progress", "plain", "--metrics-file", str(run / "metrics.jsonl"), "--output-dir", str(run),
-            *hardware, *(["--compile"] if c.compile else [])]  # fmt: skip
+            "--head-loss", c.head_loss, *hardware, *(["--compile"] if c.compile else []),
+            *(["--gradient-checkpointing"] if c.checkpointing else [])]  # fmt: skip
 
 
 def medians(records: list[dict], warmup: int) -> dict:
@@ -236,13 +251,19 @@ def last_line(output: str) -> str:
 
 
 def run_trl(c: Config, sizes: Sizes, models: dict[str, Path | str], corpus: Path, out: Path, smoke: bool) -> dict:
-    """TRL's SFTTrainer on config c's model, data, batch and steps (LoRA r 8 on q_proj,v_proj, as the script)."""
+    """TRL's SFTTrainer on config c's model, data, batch and steps (LoRA r 8 on q_proj,v_proj, as the script), with
+    Liger's fused kernels where c asks (Triton: CUDA only). --smoke runs the plain row without checkpointing."""
     import importlib.util
 
-    if importlib.util.find_spec("trl") is None:
-        return {"status": "skipped", "error": "trl not installed"}
+    needed = ("trl", "liger_kernel") if c.trainer == "trl+liger" else ("trl",)
+    missing = [lib for lib in needed if importlib.util.find_spec(lib) is None]
+    if missing:
+        return {"status": "skipped", "error": f"{missing[0].replace('_', '-')} not installed"}
+    if smoke and (c.trainer != "trl" or c.checkpointing):
+        return {"status": "skipped", "error": "timed on a GPU only (--smoke runs TRL's first row)"}
     spec = {"model": str(models[c.model]), "corpus": str(corpus), "out": str(out / "runs" / "trl"),
-            "pack": c.pack, "smoke": smoke, **asdict(sizes)}  # fmt: skip
+            "pack": c.pack, "smoke": smoke, "liger": c.trainer == "trl+liger", "checkpointing": c.checkpointing,
+            **asdict(sizes)}  # fmt: skip
     log = out / "logs" / "trl.log"
     code, output, wall = launch([str(Path(__file__).resolve()), "--trl-worker", json.dumps(spec)], log,
                                 sizes.timeout_s, smoke)  # fmt: skip
@@ -275,7 +296,8 @@ def trl_worker(spec: dict) -> None:
                        ddp_backend="gloo" if spec["smoke"] else "nccl", learning_rate=2e-4, save_strategy="no",
                        model_init_kwargs={"dtype": "float32" if spec["smoke"] else "bfloat16"},  # as the script's
                        report_to=[], logging_steps=spec["log_every"], dataloader_drop_last=True, seed=1337,
-                       gradient_checkpointing=False)  # fmt: skip  # the script's default; TRL 1.x's is on
+                       gradient_checkpointing=spec["checkpointing"],  # off: the script's default; TRL 1.x's is on
+                       use_liger_kernel=spec["liger"])  # fmt: skip
     lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     trainer = SFTTrainer(model=spec["model"], args=config, train_dataset=Dataset.from_dict({"text": texts}),
                          peft_config=lora, callbacks=[clock := Clock()])  # fmt: skip
@@ -348,10 +370,10 @@ def main() -> None:
     lines = list(script.text_lines(script.DEFAULT_CORPUS))
     corpus = write_corpus(out / "corpus.txt", lines, sizes.examples)
     models = build_models(out / "models", TOY_SHAPES if a.smoke else SHAPES, lines, a.smoke)
-    trl = Config(f"TRL SFTTrainer ({CONFIGS[0].name}'s data and steps)", "0.5B", "lora", CONFIGS[0].pack)
     records = []
-    for c, runner in [*((c, run_config) for c in CONFIGS), (trl, run_trl)]:
+    for c in CONFIGS:
         print(f"[gpu_check] {c.name} ...", flush=True)
+        runner = run_config if c.trainer == "script" else run_trl
         left = started + sizes.budget_s - time.perf_counter()
         if isinstance(models[c.model], str):
             result = {"status": "error", "error": models[c.model]}
