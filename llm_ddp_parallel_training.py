@@ -4873,9 +4873,10 @@ class FusedHeadLoss(torch.autograd.Function):
     Backward scales them by the loss's own gradient (the global-token scale); a tied embedding's weight gets dW
     added by autograd, as any second use of a tensor."""
 
-    # Rows a chunk: a frozen head (LoRA) holds one chunk's fp32 logits at a time (256 x 151,936 x 4 B = 156 MB); a
-    # trained one also reads and writes all of dW once a chunk: fewer, larger chunks (benchmarks/lm_head_memory.py).
-    FROZEN_ROWS, TRAINED_ROWS = 256, 2048
+    # Rows a chunk, whose fp32 logits and log-softmax are all it holds at a time (256 x 151,936 x 4 B = 156 MB each).
+    # A trained head's chunk also reads and writes all of dW: 1,024 rows make a quarter of 256's passes over it
+    # and still peak below the chunked head (benchmarks/lm_head_memory.py: 0.68x for full fine-tuning, CPU).
+    FROZEN_ROWS, TRAINED_ROWS = 256, 1024
 
     @staticmethod
     def forward(ctx: object, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int,
@@ -4887,14 +4888,16 @@ class FusedHeadLoss(torch.autograd.Function):
         total = torch.zeros((), dtype=exact, device=hidden.device)
         for at in range(0, len(hidden), rows):
             h, y = hidden[at : at + rows], targets[at : at + rows]
-            z = torch.log_softmax((h @ weight.T).to(exact), dim=-1)  # as F.cross_entropy rounds it
-            total -= z.gather(1, y[:, None]).sum()
-            if with_grads:
-                g = z.exp_()  # the softmax, in the log-probabilities' own memory
+            logp = torch.log_softmax((h @ weight.T).to(exact), dim=-1)  # as F.cross_entropy rounds it
+            total -= logp.gather(1, y[:, None]).sum()
+            if with_grads:  # g = softmax - onehot, in the log-probabilities' own memory
+                g = logp.exp_()
                 g[torch.arange(len(y), device=y.device), y] -= 1
                 grad_hidden[at : at + rows] = g.to(weight.dtype) @ weight
                 if grad_weight is not None:
                     grad_weight.addmm_(g.T, h.to(exact))
+                del g
+            del logp  # before the next chunk's logits are made: one chunk's alive at a time
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total

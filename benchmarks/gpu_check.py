@@ -73,22 +73,22 @@ class Config:
     trainer: str = "script"  # or "trl", or "trl+liger" (SFTConfig(use_liger_kernel=True))
 
 
-# The goal's questions first (issue 48: ours against TRL + Liger, checkpointing off and on), then what each of the
-# script's choices costs; a row that would start past the budget is skipped, so the last rows go first.
+# The goal's questions first (issue 48: ours against TRL + Liger, checkpointing off and on; MFU at 0.5B and 1.5B
+# full), then what each of the script's choices costs; a row that would start too late is skipped, the last first.
 TRL = {"model": "0.5B", "finetune": "lora", "pack": False}  # TRL's rows: the first row's data, batch and steps
 CONFIGS = (
     Config("0.5B LoRA", "0.5B", "lora", pack=False),
     Config("TRL SFTTrainer + Liger, 0.5B LoRA's data and steps", **TRL, trainer="trl+liger"),
     Config("0.5B LoRA, --gradient-checkpointing", "0.5B", "lora", pack=False, checkpointing=True),
     Config("TRL SFTTrainer + Liger, gradient checkpointing", **TRL, checkpointing=True, trainer="trl+liger"),
+    Config("0.5B full", "0.5B", "full", pack=False),
+    Config("1.5B full packed", "1.5B", "full", pack=True),
     Config("TRL SFTTrainer, 0.5B LoRA's data and steps", **TRL, trainer="trl"),
     Config("TRL SFTTrainer, gradient checkpointing", **TRL, checkpointing=True, trainer="trl"),
     Config("0.5B LoRA, --head-loss chunked", "0.5B", "lora", pack=False, head_loss="chunked"),
     Config("0.5B LoRA, --head-loss full", "0.5B", "lora", pack=False, head_loss="full"),
-    Config("0.5B LoRA packed", "0.5B", "lora", pack=True),
-    Config("0.5B full", "0.5B", "full", pack=False),
     Config("0.5B full, --head-loss chunked", "0.5B", "full", pack=False, head_loss="chunked"),
-    Config("1.5B full packed", "1.5B", "full", pack=True),
+    Config("0.5B LoRA packed", "0.5B", "lora", pack=True),
     Config("0.5B LoRA packed, torch.compile", "0.5B", "lora", pack=True, compile=True),
 )
 
@@ -108,6 +108,7 @@ class Sizes:
 GPU_SIZES = Sizes(  # 13 rows of 25-40 s each on an H200 (the 2026-12-04 run's launches, at 40 steps): 30 steps
     batch_size=16, seq_len=512, steps=30, log_every=5, warmup=10, examples=2000, timeout_s=240, budget_s=440
 )
+MIN_LAUNCH_S = 60  # the H200's launches took 25-40 s (2026-12-04): with less left, a row would be cut off
 SMOKE_SIZES = Sizes(batch_size=4, seq_len=64, steps=3, log_every=1, warmup=1, examples=200, timeout_s=120, budget_s=300)
 
 
@@ -261,13 +262,13 @@ def run_trl(c: Config, sizes: Sizes, models: dict[str, Path | str], corpus: Path
         return {"status": "skipped", "error": f"{missing[0].replace('_', '-')} not installed"}
     if smoke and (c.trainer != "trl" or c.checkpointing):
         return {"status": "skipped", "error": "timed on a GPU only (--smoke runs TRL's first row)"}
-    spec = {"model": str(models[c.model]), "corpus": str(corpus), "out": str(out / "runs" / "trl"),
-            "pack": c.pack, "smoke": smoke, "liger": c.trainer == "trl+liger", "checkpointing": c.checkpointing,
-            **asdict(sizes)}  # fmt: skip
-    log = out / "logs" / "trl.log"
+    run = out / "runs" / re.sub(r"\W+", "_", c.name)
+    spec = {"model": str(models[c.model]), "corpus": str(corpus), "out": str(run), "pack": c.pack, "smoke": smoke,
+            "liger": c.trainer == "trl+liger", "checkpointing": c.checkpointing, **asdict(sizes)}  # fmt: skip
+    log = out / "logs" / f"{run.name}.log"  # each row's own
     code, output, wall = launch([str(Path(__file__).resolve()), "--trl-worker", json.dumps(spec)], log,
                                 sizes.timeout_s, smoke)  # fmt: skip
-    shutil.rmtree(out / "runs" / "trl", ignore_errors=True)
+    shutil.rmtree(run, ignore_errors=True)
     result = next((line.split("result: ", 1)[1] for line in output.splitlines() if line.startswith("result: ")), None)
     if code or result is None:
         return {"status": "error", "error": f"exit {code}: {last_line(output)} (log: {log})", "wall_s": wall}
@@ -377,7 +378,7 @@ def main() -> None:
         left = started + sizes.budget_s - time.perf_counter()
         if isinstance(models[c.model], str):
             result = {"status": "error", "error": models[c.model]}
-        elif left < 30:
+        elif left < MIN_LAUNCH_S:  # a launch started later would be killed mid-run: an error row, not an answer
             result = {"status": "skipped", "error": f"past the {sizes.budget_s:.0f} s budget"}
         else:
             result = runner(c, replace(sizes, timeout_s=min(sizes.timeout_s, left)), models, corpus, out, a.smoke)
