@@ -132,8 +132,8 @@ def test_nothing_above_the_banner_uses_a_name_defined_below_it():
     assert not crossing, f"names used above the banner but defined below it: {crossing}"
 
 
-SECTION_STARTS = {int(n): LINES.index(line) + 1 for line in LINES for n, name in section_banners()
-                  if line.startswith(f"# {n}. {name}:")}  # fmt: skip
+SECTION_STARTS = {int(n): next(i for i, line in enumerate(LINES, 1) if line.startswith(f"# {n}. {name}:"))
+                  for n, name in section_banners()}  # fmt: skip
 
 
 def section_of(lineno: int) -> int:
