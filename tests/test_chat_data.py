@@ -462,5 +462,12 @@ def test_the_fused_head_passes_a_float64_gradient_check(case):
     y, y2 = torch.randint(13, (11,)), torch.randint(13, (7,))
     frozen, loss = torch.randn(13, 5, dtype=torch.float64), FUSED_CASES[case]  # a head no gradient reaches
     assert torch.autograd.gradcheck(lambda h, h2, w: loss(h, h2, w, frozen, y, y2), (h, h2, w))
-    reference = torch.nn.functional.cross_entropy(h @ w.T, y, reduction="sum")  # in float64, as the fused head
+
+
+def test_the_fused_heads_loss_is_cross_entropys_sum_in_float64():
+    torch.manual_seed(0)
+    h, w, y = torch.randn(11, 5, dtype=torch.float64), torch.randn(13, 5, dtype=torch.float64), torch.randint(13, (11,))
+    reference = torch.nn.functional.cross_entropy(h @ w.T, y, reduction="sum")
     assert t.FusedHeadLoss.apply(h, w, y, 4, True).item() == pytest.approx(reference.item(), rel=1e-12)
+    with torch.no_grad():  # evaluation: the loss alone, no gradient found
+        assert t.FusedHeadLoss.apply(h, w, y, 4, False).item() == pytest.approx(reference.item(), rel=1e-12)
