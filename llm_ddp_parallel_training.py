@@ -141,19 +141,6 @@ AMOUNT, RATE = {"kind": float, "low": 0}, {"kind": float, "low": 0, "low_open": 
 PROBABILITY = {"kind": float, "low": 0, "high": 1, "high_open": True}
 
 
-@dataclass(frozen=True)
-class FaultPlan:
-    """--inject-fault RANK:STEP[:KIND]: a teaching and testing aid, never for real runs."""
-
-    rank: int
-    step: int
-    kind: str  # kill: SIGKILL itself; raise: an exception; nan: a NaN loss; desync: a wrong gradient;
-    # save: SIGKILL itself halfway through writing the step's checkpoint; hang: stop answering
-
-    KINDS = ("kill", "raise", "nan", "desync", "save", "hang")
-    IN_STEP = ("kill", "raise", "nan", "desync", "hang")  # the step acts on them; "save" the checkpoint's writer
-
-
 PRETRAINED_GROUP = "pretrained model (--model hf)"
 TINY_GROUP = "tiny model"
 
@@ -207,11 +194,17 @@ class RunConfig:
                                          "every linear layer but the output head", type="layer names")  # fmt: skip
     dtype: str = flag("auto", "weights dtype; auto: bfloat16 on GPUs that support it, else float32",
                       choices=["auto", "float32", "bfloat16", "float16"])  # fmt: skip
-    attn_implementation: str = flag("sdpa", "attention kernel; flash_attention_2 needs CUDA and the flash-attn package",
-                                    choices=["sdpa", "flash_attention_2", "eager"])  # fmt: skip
+    attn_implementation: str = flag("auto", "attention kernel; auto: varlen for packed rows on a CUDA GPU, else sdpa; "
+                                    "varlen: each packed example attends to itself alone, no mask (torch's "
+                                    "variable-length flash kernel; on CPU, SDPA example by example); flash_attention_2 "
+                                    "needs CUDA and the flash-attn package",
+                                    choices=["auto", "sdpa", "varlen", "flash_attention_2", "eager"])  # fmt: skip
     trust_remote_code: bool = flag(False, "allow model code from the hub (the families transformers knows need none)",
                                    action="store_true")  # fmt: skip
     gradient_checkpointing: bool = flag(False, "recompute activations in backward to save memory", action="store_true")
+    checkpoint_policy: str = flag("full", "what --gradient-checkpointing recomputes: full, each block's every "
+                                  "activation; selective, all but its matmuls' and attention's outputs (less "
+                                  "recompute, more memory)", choices=["full", "selective"])  # fmt: skip
     finetune: str = flag("lora", "lora: train adapters only; full: train every weight (needs --sharding full to fit "
                          "where DDP does not)", choices=["lora", "full"])  # fmt: skip
     head_loss: str = flag("fused", "the head's loss, chunk by chunk: fused finds its gradients in forward, chunked "
@@ -230,8 +223,9 @@ class RunConfig:
     precision: str = flag("auto", "autocast: auto is bf16 on GPUs that support it, else fp32; fp16 (GPU only) uses a "
                           "GradScaler", choices=["auto", "fp32", "bf16", "fp16"])  # fmt: skip
     tf32: bool = flag(True, "TF32 for fp32 matmuls on CUDA GPUs", action=argparse.BooleanOptionalAction)
-    compile: bool = flag(False, "torch.compile each Transformer block: faster steps once the first ones have "
-                         "compiled (minutes for a large model)", action="store_true")  # fmt: skip
+    compile: bool | None = flag(None, "torch.compile each Transformer block and the fused head's softmax: faster "
+                                "steps once the first ones have compiled (minutes for a large model); default on "
+                                "with CUDA GPUs, off on CPU", action=argparse.BooleanOptionalAction)  # fmt: skip
 
     val_fraction: float = flag(0.1, "share of lines held out for validation", "validation and reporting",
                                within=PROBABILITY)  # fmt: skip
@@ -267,7 +261,7 @@ class RunConfig:
     verify_sync: int = flag(0, "every N steps check that all ranks hold identical gradients, weights and optimizer "
                             "state", within=COUNT, metavar="N")  # fmt: skip
     inspect: bool = flag(False, "report shards, buckets and per-rank gradients", action="store_true")
-    inject_fault: FaultPlan | None = flag(None, "teaching/testing aid: make RANK fail at STEP once; KIND kill "
+    inject_fault: str | None = flag(None, "teaching/testing aid: make RANK fail at STEP once; KIND kill "
                                           "(default), raise, nan, desync, save or hang", type="fault plan",
                                           metavar="RANK:STEP[:KIND]")  # fmt: skip
 
@@ -327,6 +321,8 @@ def settle_defaults(args: argparse.Namespace, typed: set[str]) -> None:
         args.min_lr = args.lr / 10
     if args.prompt is None:  # the tiny corpus's opening words; a pretrained model is asked what it may know
         args.prompt = "Each rank" if args.model == "tiny" else "What does an all-reduce do?"
+    if args.compile is None:  # where it pays: on GPUs, the model whole or sharded (not yet cut by --tp, --pp, --cp)
+        args.compile = torch.cuda.is_available() and not args.cpu and args.tp * args.pp * args.cp == 1
     if args.temperature is None and not args.chat:  # tiny samples drew at 0.8, pretrained ones greedily; --chat:
         args.temperature = 0.8 if args.model == "tiny" else 0.0  # as what it loads (replier)
 
@@ -1228,6 +1224,11 @@ class Hooks:
                          local_loss_sum: torch.Tensor, micro_tokens: list[int]) -> None:  # fmt: skip
         """Every gradient is averaged, not yet clipped; `sent`: the step's bucket all-reduces (calls, bytes)."""
 
+    def read(self, step: int, numbers: torch.Tensor) -> list[float] | None:
+        """The step's loss, gradient norm and this rank's loss sum, read from the device (on a GPU, the host waits for
+        it) for the guard before the update and the metrics. Here every step; None: later (SideWork.read)."""
+        return numbers.tolist()
+
     def non_finite(self, step: int, loss: float, grad_norm: float, local_loss_sum: float) -> None:
         """The loss or the gradient norm is not finite: stop before the update."""
         raise TrainingError(f"non-finite loss or gradient norm at step {step} (loss {loss}, grad norm {grad_norm})")
@@ -1321,6 +1322,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, hooks: Hooks | None = None) ->
         cpu_batches = [model.local_batch(batch) for batch in batches]  # what of them this rank computes: all
         # Count target tokens while the batch is still on the CPU: on a GPU it would be a sync.
         micro_tokens = [int((batch[1] != IGNORE_INDEX).sum()) for batch in cpu_batches]
+        replica_tokens = [int((batch[1] != IGNORE_INDEX).sum()) for batch in batches]  # (mean-of-means divides by)
         micro_batches = [tuple(t.to(d.device, non_blocking=True) for t in batch) for batch in cpu_batches]
         hooks.mark("data")
         # One small all-reduce before any backward carries the facts every rank must share: the global
@@ -1334,7 +1336,7 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, hooks: Hooks | None = None) ->
             group["lr"] = lr
         # Forward and backward for each micro-batch (Layout.forward_backward: k-1 inside no_sync(), the
         # last one's backward all-reducing the sum).
-        scales = [loss_scale(cfg, d, int((b[1] != IGNORE_INDEX).sum()), global_tokens) for b in batches]
+        scales = [loss_scale(cfg, d, tokens, global_tokens) for tokens in replica_tokens]
         loss_sum = model.forward_backward(micro_batches, scales, micro)
         model.finish_gradient_sync()
         hooks.mark("sync")
@@ -1348,20 +1350,18 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, hooks: Hooks | None = None) ->
             hooks.scaler.unscale_(optimizer)  # clip and report the true gradient, not the scaled one
         hooks.gradients_synced(step, model, named_params, sent, local_loss_sum, micro_tokens)
         norm = model.clip_gradients(params, cfg.grad_clip)
-        # The step's one read from the device (on a GPU, a wait for it): the guard below must
-        # know before the update whether the loss and gradient are finite.
-        global_loss_sum, grad_norm = torch.stack([loss_sum.float(), norm.float()]).tolist()
-        loss = global_loss_sum / global_tokens
+        numbers = torch.stack([loss_sum.double() / global_tokens, norm.double(), local_loss_sum.double()])
+        read = hooks.read(step, numbers)  # as floats; None where the hooks read them later
         hooks.mark("sync")
         # With fp16 an overflowing gradient is routine: the scaler skips that step and lowers
         # its scale, identically on every rank. Anything else non-finite stops the run.
-        if not math.isfinite(loss) or (not math.isfinite(grad_norm) and hooks.scaler is None):
-            hooks.non_finite(step, loss, grad_norm, local_loss_sum.item())
+        if read and (not math.isfinite(read[0]) or (not math.isfinite(read[1]) and hooks.scaler is None)):
+            hooks.non_finite(step, *read)
         hooks.before_update(step, model, named_params)
         optimizer_step(optimizer, hooks.scaler)
         hooks.after_update(step, model, named_params, optimizer)
         progress.step, progress.tokens_seen = step, progress.tokens_seen + int(global_tokens)
-        metrics = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm}
+        metrics = {"step": step, "lr": lr, **({"loss": read[0], "grad_norm": read[1]} if read else {})}
         hooks.step_done(metrics, int(global_tokens), time.perf_counter() - started, model, named_params, optimizer,
                         progress)  # fmt: skip
     hooks.finish(model, named_params, optimizer, progress)
@@ -2829,17 +2829,22 @@ class Within:
         return f"a positive {noun}" if self.low_open or self.low > 0 else f"zero or a positive {noun}"
 
 
-def fault_plan(text: str) -> FaultPlan:
-    """--inject-fault RANK:STEP[:KIND], read."""
+# --inject-fault's kinds: kill: SIGKILL itself; raise: an exception; nan: a NaN loss; desync: a wrong gradient;
+# save: SIGKILL itself halfway through writing the step's checkpoint; hang: stop answering.
+FAULT_KINDS = ("kill", "raise", "nan", "desync", "save", "hang")
+
+
+def fault_plan(text: str) -> str:
+    """--inject-fault RANK:STEP[:KIND], read and spelled in full (a teaching and testing aid, never for real runs)."""
     parts = text.split(":")
     try:
         rank, step = int(parts[0]), int(parts[1])
     except (ValueError, IndexError):
         raise argparse.ArgumentTypeError(f"expected RANK:STEP[:KIND], got {text!r}") from None
     kind = parts[2] if len(parts) > 2 else "kill"
-    if len(parts) > 3 or kind not in FaultPlan.KINDS or rank < 0 or step < 1:
-        raise argparse.ArgumentTypeError(f"expected RANK:STEP[:KIND] with KIND one of {', '.join(FaultPlan.KINDS)}")
-    return FaultPlan(rank, step, kind)
+    if len(parts) > 3 or kind not in FAULT_KINDS or rank < 0 or step < 1:
+        raise argparse.ArgumentTypeError(f"expected RANK:STEP[:KIND] with KIND one of {', '.join(FAULT_KINDS)}")
+    return f"{rank}:{step}:{kind}"
 
 
 def layer_names(text: str) -> tuple[str, ...]:
@@ -3008,8 +3013,6 @@ def resolved_settings(cfg: RunConfig) -> dict:
     skip = other | derived_settings(cfg) | {"nproc"} | ({"max_steps"} if cfg.max_steps == 0 else set())
     skip |= {"val_fraction"} if cfg.eval_file else set()  # (--eval-file: nothing held out, and the two are refused)
     for name, value in ((f.name, getattr(cfg, f.name)) for f in fields(cfg) if f.name not in skip):
-        if isinstance(value, FaultPlan):
-            value = f"{value.rank}:{value.step}:{value.kind}"
         if name == "model_name_or_path" and Path(value).expanduser().exists():  # a local folder, not a hub name
             value = Path(value).expanduser()
         if name == "merge_lora" and value == "":  # --merge-lora with no folder: merge after training
@@ -3057,9 +3060,10 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         raise UsageError(f"--chat {cfg.chat}: no such file or folder; name a checkpoint or a folder a run wrote")
     if cfg.chat and (cfg.nproc or int(os.environ.get("WORLD_SIZE", "1")) > 1):  # one conversation, not one per rank
         raise UsageError("--chat runs as one process: leave out --nproc and torchrun")
-    if cfg.compile and (cfg.sharding == "full" or cfg.tp * cfg.pp * cfg.cp > 1):
-        raise UsageError("--compile runs under DDP and --sharding optimizer; not yet with --sharding full, --tp, "
-                         "--pp or --cp: leave it out")  # fmt: skip
+    if cfg.checkpoint_policy == "selective" and not cfg.gradient_checkpointing:
+        raise UsageError("--checkpoint-policy selective says what --gradient-checkpointing recomputes: add it")
+    if cfg.compile and cfg.tp * cfg.pp * cfg.cp > 1:
+        raise UsageError("--compile runs under DDP and --sharding; not yet with --tp, --pp or --cp: leave it out")
     if cfg.sample_every and (cfg.sharding == "full" or cfg.tp * cfg.pp * cfg.cp > 1):
         raise UsageError("--sample-every samples rank 0's whole model, which --sharding full, --tp and --pp split, "
                          "and whose attention --cp spreads over its ranks: leave it out (the sample at the end reads "
@@ -4069,11 +4073,11 @@ def print_examples(cfg: RunConfig, d: Dist, records: list[Record]) -> None:
         say("".join(f"[[{text}]]" if target else text for text, target in runs))
 
 
-def collate_for(cfg: RunConfig) -> Callable[[list], tuple[torch.Tensor, ...]]:
+def collate_for(cfg: RunConfig, attention: str) -> Callable[[list], tuple[torch.Tensor, ...]]:
     """How a micro-batch is stacked: packed rows stay rows under sdpa and eager (one long row's mask would grow
-    with the square of the micro-batch); flash_attention_2 needs one row (flatten_rows)."""
-    flash = cfg.model == "hf" and cfg.pack and cfg.attn_implementation.startswith("flash_attention")
-    return flatten_rows if flash else trim_padding
+    with the square of the micro-batch); flash_attention_2 and varlen take one row (flatten_rows)."""
+    one_row = cfg.model == "hf" and cfg.pack and attention in ("flash_attention_2", "varlen")
+    return flatten_rows if one_row else trim_padding
 
 
 def flatten_rows(batch: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
@@ -4599,10 +4603,13 @@ def build_pretrained_kit(
         # output does not (hence enable_input_require_grads() in recipes that use it; not here).
         # (transformers 5 renamed gradient_checkpointing_enable to activation_checkpointing_enable.)
         enable = getattr(model, "activation_checkpointing_enable", None)
+        options = {"use_reentrant": False} | (
+            {"context_fn": keep_matmuls} if cfg.checkpoint_policy == "selective" else {}
+        )
         if enable is not None:
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            enable(activation_checkpointing_kwargs=options)
         else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
         model.config.use_cache = False
     if lora and d.tp > 1:
         check_lora_under_tp(model, cfg.lora_targets)
@@ -4653,7 +4660,12 @@ def build_pretrained_kit(
             source = f"--eval-file {cfg.eval_file}" if cfg.eval_file else f"--val-fraction {cfg.val_fraction}"
             raise UsageError(f"held-out records ({source}): {e}") from None
 
-    head, head_note = loss_path(model, cfg.head_loss, d.tp)
+    head, head_note = loss_path(model, cfg.head_loss, d.tp, cfg.compile)
+    attention, attention_note = packed_attention(cfg, model, d.device, lean="loss_module" in head)
+    collate = collate_for(cfg, attention)
+    head["collate"] = (
+        functools.partial(lean_batch, collate, attention == "varlen") if "loss_module" in head else collate
+    )
     return ModelKit(
         model=model,
         train=train,
@@ -4672,9 +4684,9 @@ def build_pretrained_kit(
             if lora
             else ", every weight trained"
         )
-        + f": {trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.3f}%){head_note}",
+        + f": {trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.3f}%){head_note}"
+        + attention_note,
         blocks=list(decoder_body(model).layers),
-        collate=collate_for(cfg),
         reload=functools.partial(reload_pretrained, cfg, dtype, d.device),
         split=PlannedTensorParallel(model, d) if d.tp > 1 else None,
         data_report=f"{counts['truncated']} cut to --seq-len {cfg.seq_len}, "
@@ -4693,7 +4705,7 @@ def reload_pretrained(cfg: RunConfig, dtype: torch.dtype, device: torch.device, 
     """The saved output loaded back on this rank alone: the whole model, or the base plus the adapters."""
     from transformers import AutoModelForCausalLM
 
-    options = dict(dtype=dtype, attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code)
+    options = dict(dtype=dtype, attn_implementation=loaded_attention(cfg), trust_remote_code=cfg.trust_remote_code)
     if cfg.finetune == "full":
         return AutoModelForCausalLM.from_pretrained(path, **options).to(device)
     from peft import PeftModel
@@ -4835,6 +4847,20 @@ def decoder_body(model: nn.Module) -> nn.Module:  # Qwen2Model inside Qwen2ForCa
     return getattr(lm, lm.base_model_prefix)
 
 
+# What --checkpoint-policy selective keeps of a checkpointed block for backward: the outputs of its matmuls and of
+# attention, the costly to recompute (torchtitan's choice); its norms, activations and adds are recomputed.
+KEPT_IN_CHECKPOINTS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
+                       "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                       "_scaled_dot_product_flash_attention_for_cpu")  # fmt: skip
+
+
+def keep_matmuls() -> tuple:
+    """Selective activation checkpointing's two contexts (torch's create_selective_checkpoint_contexts)."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts([getattr(torch.ops.aten, op).default for op in KEPT_IN_CHECKPOINTS])
+
+
 def gpu_computes_bf16() -> bool:
     # Not torch's default answer, which counts GPUs that only emulate bf16 (pre-Ampere, such
     # as a T4 or V100): there bf16 runs slower than fp32 and auto must not pick it.
@@ -4849,21 +4875,44 @@ class LeanHeadLoss(nn.Module):
 
     CHUNK = 1024  # target tokens per checkpointed chunk (--head-loss chunked): 1024 x 151,936 fp32 logits = 622 MB
 
-    def __init__(self, lm: nn.Module, fused: bool = False) -> None:
+    def __init__(self, lm: nn.Module, fused: bool = False, compiled: bool = False) -> None:
         super().__init__()
         self.lm, self.fused = lm, fused  # the PEFT model; its body and head are looked up, not registered twice
+        # --compile: one kernel makes a chunk's softmax gradient (fused); rows vary by chunk, the shapes are dynamic
+        self.softmax_grad = torch.compile(softmax_grad, dynamic=True) if compiled else softmax_grad
 
-    def forward(self, ids: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, bounds: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """rows, positions, bounds: as lean_batch finds them. Without rows (not from the loader) they are found
+        here: on a GPU a nonzero, which makes the host wait for it."""
+        if rows is None:
+            rows = (targets.flatten() != IGNORE_INDEX).nonzero().squeeze(1)
         body, head = decoder_body(self.lm), causal_lm(self.lm).get_output_embeddings()
-        hidden = body(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
-        keep = targets != IGNORE_INDEX
+        n = ids.shape[1]  # varlen_attention's bounds, as transformers passes flash attention's down to it
+        examples = (
+            {} if bounds is None else dict(cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=n, max_length_k=n)
+        )
+        hidden = body(input_ids=ids, position_ids=positions, use_cache=False, **examples).last_hidden_state
+        hidden, targets = hidden.flatten(0, 1).index_select(0, rows), targets.flatten().index_select(0, rows)
         if self.fused:
             chunk = FusedHeadLoss.TRAINED_ROWS if head.weight.requires_grad else FusedHeadLoss.FROZEN_ROWS
-            return FusedHeadLoss.apply(hidden[keep], head.weight, targets[keep], chunk, torch.is_grad_enabled())
+            return FusedHeadLoss.apply(hidden, head.weight, targets, chunk, torch.is_grad_enabled(), self.softmax_grad)
         total = hidden.new_zeros((), dtype=torch.float32)
-        for h, y in zip(hidden[keep].split(self.CHUNK), targets[keep].split(self.CHUNK), strict=True):
+        for h, y in zip(hidden.split(self.CHUNK), targets.split(self.CHUNK), strict=True):
             total = total + checkpoint(head_loss_sum, head, h, y, use_reentrant=False)
         return total
+
+
+def softmax_grad(z: torch.Tensor, y: torch.Tensor, with_grads: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A chunk's logits z and targets y: the log-likelihood sum (log_softmax, as F.cross_entropy rounds it), and
+    where asked g = softmax(z) - onehot(y), the negated sum's gradient in z, made in the log-probabilities' memory."""
+    logp = torch.log_softmax(z, dim=-1)
+    likelihood = logp.gather(1, y[:, None]).sum()
+    if not with_grads:
+        return likelihood, None
+    g = logp.exp_()
+    g[torch.arange(len(y), device=y.device), y] -= 1
+    return likelihood, g
 
 
 class FusedHeadLoss(torch.autograd.Function):
@@ -4880,7 +4929,7 @@ class FusedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: object, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int,
-                with_grads: bool) -> torch.Tensor:  # fmt: skip
+                with_grads: bool, chunk_grad: Callable = softmax_grad) -> torch.Tensor:  # fmt: skip
         exact = torch.promote_types(weight.dtype, torch.float32)  # fp32 sums (fp64 for gradcheck)
         grad_hidden = torch.empty_like(hidden) if with_grads else None
         trains = with_grads and weight.requires_grad
@@ -4888,16 +4937,13 @@ class FusedHeadLoss(torch.autograd.Function):
         total = torch.zeros((), dtype=exact, device=hidden.device)
         for at in range(0, len(hidden), rows):
             h, y = hidden[at : at + rows], targets[at : at + rows]
-            logp = torch.log_softmax((h @ weight.T).to(exact), dim=-1)  # as F.cross_entropy rounds it
-            total -= logp.gather(1, y[:, None]).sum()
-            if with_grads:  # g = softmax - onehot, in the log-probabilities' own memory
-                g = logp.exp_()
-                g[torch.arange(len(y), device=y.device), y] -= 1
+            likelihood, g = chunk_grad((h @ weight.T).to(exact), y, with_grads)
+            total -= likelihood
+            if with_grads:
                 grad_hidden[at : at + rows] = g.to(weight.dtype) @ weight
                 if grad_weight is not None:
                     grad_weight.addmm_(g.T, h.to(exact))
-                del g
-            del logp  # before the next chunk's logits are made: one chunk's alive at a time
+            del g  # before the next chunk's logits are made: one chunk's alive at a time
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total
@@ -4906,13 +4952,14 @@ class FusedHeadLoss(torch.autograd.Function):
     def backward(ctx: object, grad_total: torch.Tensor) -> tuple:
         grad_hidden, grad_weight = ctx.saved_tensors
         dw = None if grad_weight is None else (grad_weight * grad_total).to(ctx.weight_dtype)
-        return grad_hidden * grad_total.to(grad_hidden.dtype), dw, None, None, None
+        return grad_hidden * grad_total.to(grad_hidden.dtype), dw, None, None, None, None
 
 
-def loss_path(model: nn.Module, head_loss: str, tp: int) -> tuple[dict, str]:
+def loss_path(model: nn.Module, head_loss: str, tp: int, compiled: bool) -> tuple[dict, str]:
     """--head-loss: fused or chunked, the lean head (LeanHeadLoss), where logits are the head's plain output; the
     model's own forward (full) where asked, or where a model rescales its logits (Gemma's soft-capping, Cohere's
-    logit scale). Under --tp the head's weight is a DTensor slice: chunked. The choice and why, for the header."""
+    logit scale). Under --tp the head's weight is a DTensor slice: chunked. The kit's loss; the choice and why, for
+    the header."""
     config, head = causal_lm(model).config, causal_lm(model).get_output_embeddings()
     if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None) not in (None, 1.0):
         head_loss, why = "full", " (the model rescales its logits)" if head_loss != "full" else ""
@@ -4925,9 +4972,66 @@ def loss_path(model: nn.Module, head_loss: str, tp: int) -> tuple[dict, str]:
         return {"loss": lambda m, ids, targets, positions=None: token_loss_sum(
             m(input_ids=ids, position_ids=positions, use_cache=False).logits, targets)}, note  # fmt: skip
     return {
-        "loss_module": LeanHeadLoss(model, fused=head_loss == "fused"),
-        "loss": lambda m, ids, targets, positions=None: m(ids, targets, positions),
+        "loss_module": LeanHeadLoss(model, fused=head_loss == "fused", compiled=compiled),
+        "loss": lambda m, ids, targets, *rest: m(ids, targets, *rest),
     }, note
+
+
+def lean_batch(collate: Callable, bounds: bool, batch: list) -> tuple[torch.Tensor, ...]:
+    """A micro-batch for the lean head, made on the CPU (where a read makes no wait for a GPU): inputs, targets, the
+    target positions as rows of the flattened batch (the head's gather needs no nonzero), positions where packed,
+    and for varlen the bounds of the one packed row's examples (cu_seqlens: each one's start, the row's length)."""
+    ids, targets, *positions = collate(batch)
+    rows = (targets.flatten() != IGNORE_INDEX).nonzero().squeeze(1)
+    if not bounds:
+        return ids, targets, rows, *positions
+    starts = (positions[0][0] == 0).nonzero().squeeze(1)
+    return ids, targets, rows, positions[0], torch.cat([starts, torch.tensor([ids.shape[1]])]).int()
+
+
+def packed_attention(cfg: RunConfig, model: nn.Module, device: torch.device, lean: bool) -> tuple[str, str]:
+    """--attn-implementation auto and varlen, decided once the head is: varlen (varlen_attention) where packed rows
+    reach a lean head, which carries their bounds, and every layer attends in full (no sliding window); auto takes
+    it on a CUDA GPU whose torch has the kernel. The attention, and a note for the header."""
+    lm, wanted = causal_lm(model), cfg.attn_implementation
+    fits = (
+        cfg.pack and lean and set(getattr(lm.config, "layer_types", None) or ["full_attention"]) == {"full_attention"}
+    )
+    if wanted == "varlen" and not fits:
+        raise UsageError("--attn-implementation varlen keeps packed rows' examples apart for the lean head: it needs "
+                         "--pack, --head-loss fused or chunked, and no layer sliding a window; use sdpa")  # fmt: skip
+    kernel = device.type == "cuda" and importlib.util.find_spec("torch.nn.attention.varlen") is not None
+    if wanted == "varlen" or (wanted == "auto" and fits and kernel):
+        from transformers import AttentionInterface
+
+        AttentionInterface.register("varlen", varlen_attention)  # and no mask function: transformers makes no mask
+        lm.set_attn_implementation("varlen")
+        return "varlen", "; attention varlen (packed rows, no mask)"
+    return lm.config._attn_implementation, ""
+
+
+def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                     cu_seq_lens_q: torch.Tensor | None = None, **kwargs: object) -> tuple:  # fmt: skip
+    """Attention as transformers calls it, for lean_batch's one packed row: each example attends causally to itself
+    alone, by the bounds the loader found (cu_seq_lens_q), with no block-diagonal mask to keep SDPA off its flash
+    kernel, and none for transformers to build (from position_ids read back). Without bounds (sampling): sdpa."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if cu_seq_lens_q is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (tokens, heads, head size)
+    if q.is_cuda:  # the row's length bounds its longest example: known on the host, no read
+        from torch.nn.attention.varlen import varlen_attn
+
+        out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, len(q), len(q), scale=scaling, window_size=(-1, 0),
+                          enable_gqa=True)  # fmt: skip
+    else:  # the same on a CPU, which has no such kernel: example by example (here a read costs nothing)
+        edges = cu_seq_lens_q.tolist()
+        out = torch.cat([F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v)), is_causal=True,
+                                                        scale=scaling, enable_gqa=True).transpose(0, 1)
+                         for a, b in itertools.pairwise(edges)])  # fmt: skip
+    return out[None], None
 
 
 def head_loss_sum(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -5019,6 +5123,11 @@ def quiet_transformers() -> None:
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
 
+def loaded_attention(cfg: RunConfig) -> str:
+    """What transformers loads the model with: auto and varlen load as sdpa (packed_attention may switch it)."""
+    return "sdpa" if cfg.attn_implementation in ("auto", "varlen") else cfg.attn_implementation
+
+
 def load_pretrained(cfg: RunConfig, d: Dist, dtype: torch.dtype) -> tuple[PreTrainedTokenizerBase, nn.Module]:
     """Tokenizer and model from a local folder (see resolve_model_files), onto this rank's device."""
     import transformers
@@ -5026,7 +5135,9 @@ def load_pretrained(cfg: RunConfig, d: Dist, dtype: torch.dtype) -> tuple[PreTra
     quiet_transformers()
     # flash_attention_2 runs on CUDA only, from the flash-attn package: said before loading, not after.
     if cfg.attn_implementation == "flash_attention_2" and d.device.type != "cuda":
-        raise UsageError("--attn-implementation flash_attention_2 needs a CUDA GPU; use sdpa (the default) or eager")
+        raise UsageError(
+            "--attn-implementation flash_attention_2 needs a CUDA GPU; use auto (the default), sdpa or eager"
+        )
     if cfg.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise UsageError(
             "--attn-implementation flash_attention_2 needs the flash-attn package (pip install flash-attn)"
@@ -5045,7 +5156,7 @@ def load_pretrained(cfg: RunConfig, d: Dist, dtype: torch.dtype) -> tuple[PreTra
         model = transformers.AutoModelForCausalLM.from_pretrained(
             folder,
             dtype=dtype,
-            attn_implementation=cfg.attn_implementation,
+            attn_implementation=loaded_attention(cfg),
             trust_remote_code=cfg.trust_remote_code,
             **split,
         )
@@ -5099,7 +5210,7 @@ def unsupported_attention(cfg: RunConfig, error: BaseException) -> str | None:
         return None
     return (
         f"{first_line(error).split(' does not support')[0]} does not support --attn-implementation "
-        f"{cfg.attn_implementation}: run with --attn-implementation {advised.group(1)}"
+        f"{loaded_attention(cfg)}: run with --attn-implementation {advised.group(1)}"
     )
 
 
@@ -5363,7 +5474,7 @@ def cannot_shard_fully(cfg: RunConfig) -> str | None:
     if cfg.precision == "fp16":
         return ("--precision fp16 with --sharding full: an overflow would show in one rank's shard only, and the "
                 "ranks would skip different steps; use --precision bf16 or fp32")  # fmt: skip
-    if cfg.inject_fault and cfg.inject_fault.kind == "desync":
+    if cfg.inject_fault and cfg.inject_fault.endswith(":desync"):
         return ("--inject-fault desync with --sharding full: there are no replicas to drift apart (each rank updates "
                 "its own shard only), so no check could tell a wrong shard from a right one")  # fmt: skip
     if cfg.grad_compression != "none":
@@ -5404,7 +5515,7 @@ def cannot_split(cfg: RunConfig) -> str | None:
         return f"--pp {cfg.pp} is more stages than --n-layers {cfg.n_layers} blocks: each stage needs one at least"
     if cfg.precision == "fp16":
         return f"{flag} with --precision fp16: its loss scaler is not split with the model; use bf16 or fp32"
-    if cfg.pp > 1 and cfg.inject_fault and cfg.inject_fault.kind == "desync":
+    if cfg.pp > 1 and cfg.inject_fault and cfg.inject_fault.endswith(":desync"):
         return "--inject-fault desync with --pp: no tensor is held by every rank, so no check could tell"
     if cfg.batch_size % cfg.pp:
         return (f"--pp {cfg.pp} cuts each micro-step's batch into {cfg.pp} micro-batches: --batch-size "
@@ -5948,18 +6059,21 @@ def check_gradients_arrived(model: nn.Module, d: Dist) -> None:
         raise TrainingError("no gradient reached the trainable weights at step 1: nothing would learn")
 
 
+FAULTS_IN_STEP = ("kill", "raise", "nan", "desync", "hang")  # the step acts on them; "save" the checkpoint's writer
+
+
 def due_fault(cfg: RunConfig, d: Dist, step: int, acting_on: tuple[str, ...]) -> str | None:
     """The fault --inject-fault asks of this rank at this step, if the caller acts on its kind: once per run in
     the output folder, recorded beside its checkpoints (on this rank's machine) as it fires, so that a resumed
     run, or one torchrun restarted, passes the step that killed its predecessor instead of dying there for ever."""
-    plan = cfg.inject_fault
-    if not plan or (plan.rank, plan.step) != (d.rank, step) or plan.kind not in acting_on:
+    rank, at, kind = cfg.inject_fault.split(":") if cfg.inject_fault else (-1, 0, "")
+    if (int(rank), int(at)) != (d.rank, step) or kind not in acting_on:
         return None
-    fired = cfg.output_dir / "checkpoints" / f"fault_{plan.rank}-{plan.step}-{plan.kind}.fired"
+    fired = cfg.output_dir / "checkpoints" / f"fault_{rank}-{at}-{kind}.fired"
     if fired.exists():
         return None
     atomic_write(fired, b"")
-    return plan.kind
+    return kind
 
 
 def crash_on_purpose(kind: str, d: Dist, step: int) -> None:
@@ -6017,6 +6131,7 @@ class SideWork(Hooks):
         self.stopped_by: str | None = None  # the signal's name, when a stop request ended the run early
         self.activations: list[int] | None = None  # bytes the first micro-batch's forward kept for backward
         self.step = self.first_step = 1  # the step running, and this attempt's first (start)
+        self.unread: list[tuple[int, torch.Tensor]] = []  # steps whose numbers wait on the device (read)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The forward's precision; the run's first micro-batch also counts what it saves for backward, and the
@@ -6043,7 +6158,7 @@ class SideWork(Hooks):
         self.offsets = clock_offsets(d) if self.timeline else []
         self.predicted = predict_memory(cfg, d, kit)  # from the whole model, before any sharding
         for block in kit.blocks if cfg.compile else ():  # block by block, as torchtitan does: one graph serves every
-            block.compile()  # block, and the wrapper's hooks between blocks stay outside the compiled code
+            block.forward = torch.compile(block.forward)  # block, and hooks stay outside it (an FSDP unit's gathers)
 
     def start(self, model: Layout, named_params: list, optimizer: torch.optim.Optimizer,
               sampler: DistributedSampler, steps_per_epoch: int) -> Progress:  # fmt: skip
@@ -6064,7 +6179,7 @@ class SideWork(Hooks):
         if self.timed and self.cuda:
             torch.cuda.synchronize()
         self.last = time.perf_counter()
-        self.fault = due_fault(self.cfg, self.d, step, FaultPlan.IN_STEP)  # a teaching aid: None in real runs
+        self.fault = due_fault(self.cfg, self.d, step, FAULTS_IN_STEP)  # a teaching aid: None in real runs
         if self.fault in ("kill", "raise", "hang"):
             crash_on_purpose(self.fault, self.d, step)
         self.stats.local_grads = {} if self.cfg.inspect and step <= INSPECT_STEPS else None
@@ -6113,6 +6228,30 @@ class SideWork(Hooks):
             report_inspect_step(self.cfg, self.d, step, self.stats, sent, named_params, local_loss_sum.item(),
                                 micro_tokens, model.loss_share)  # fmt: skip
 
+    def read(self, step: int, numbers: torch.Tensor) -> list[float] | None:
+        """Read where the step reports, evaluates, saves or checks; between those steps the numbers wait on the
+        device, and the next read checks them: a non-finite one stops the run there, before anything is saved."""
+        if not self.reads_at(step):
+            self.unread.append((step, numbers))
+            return None
+        self.read_unread()
+        return numbers.tolist()
+
+    def reads_at(self, step: int) -> bool:
+        cfg = self.cfg
+        due = (step % cfg.log_every == 0 or step in (1, cfg.max_steps) or evaluation_due(cfg, self.kit, step)
+               or self.verifying(step) or self.stats.local_grads is not None)  # fmt: skip
+        return due or any(every and step % every == 0 for every in (cfg.sample_every, cfg.save_every))
+
+    def read_unread(self) -> None:
+        """The steps read late, in order: each one's loss into the history; the run stopped at the first whose loss
+        (or, without fp16's loss scaler, whose gradient norm) was not finite, as train() stops a step it reads."""
+        for step, (loss, grad_norm, local) in [(s, n.tolist()) for s, n in self.unread]:
+            if not math.isfinite(loss) or (not math.isfinite(grad_norm) and self.scaler is None):
+                raise_non_finite(self.d, step, loss, grad_norm, local, stopped_at=self.step)
+            self.reporter.progress.history.append({"step": step, "loss": loss})
+        self.unread = []
+
     def non_finite(self, step: int, loss: float, grad_norm: float, local_loss_sum: float) -> None:
         raise_non_finite(self.d, step, loss, grad_norm, local_loss_sum)
 
@@ -6145,6 +6284,7 @@ class SideWork(Hooks):
     def finish(self, model: Layout, named_params: list, optimizer: torch.optim.Optimizer, progress: Progress) -> None:
         """The last write's failure heard, a stop's checkpoint written; the trace and every rank's
         memory gathered to rank 0 (collectives)."""
+        self.read_unread()  # before a stop's checkpoint: a step read late may stop the run instead
         if all_reduce_sum(self.d, [self.reporter.failure is not None])[0]:  # the last step's, which no vote followed
             self.reporter.share_failure()
         if self.stopped_by:
@@ -6205,15 +6345,20 @@ class StopRequest:
 STOP = StopRequest()
 
 
-def raise_non_finite(d: Dist, step: int, loss: float, grad_norm: float, local_loss_sum: float) -> None:
-    """Stop every rank (all see the same summed loss and norm) before a NaN or inf reaches the weights."""
+def raise_non_finite(d: Dist, step: int, loss: float, grad_norm: float, local_loss_sum: float,
+                     stopped_at: int | None = None) -> None:  # fmt: skip
+    """Stop every rank (all see the same summed loss and norm): before a NaN or inf reaches the weights, or, where
+    the step was read later (SideWork.read), at step `stopped_at`, before anything after it is saved."""
     local_losses = all_gather_tensor(d, torch.tensor([local_loss_sum], dtype=torch.float64))
     bad = [r for r, t in enumerate(local_losses) if not math.isfinite(t.item())]
     where = f"non-finite local loss on rank(s) {bad}" if bad else "the losses were finite, the gradients were not"
-    raise TrainingError(
-        f"non-finite loss or gradient norm at step {step} (loss {loss}, grad norm {grad_norm}; {where}): "
-        "stopped every rank before the optimizer step; the weights are untouched. Try a lower --lr"
+    stop = (
+        (f"every rank stopped at step {stopped_at}, where it was read (--log-every); nothing trained since was saved")
+        if stopped_at
+        else "stopped every rank before the optimizer step; the weights are untouched"
     )
+    raise TrainingError(f"non-finite loss or gradient norm at step {step} (loss {loss}, grad norm {grad_norm}; "
+                        f"{where}): {stop}. Try a lower --lr")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -6334,9 +6479,9 @@ def evaluate(cfg: RunConfig, d: Dist, kit: ModelKit, model: Layout, precision: s
     if model.gathers_in_forward:  # rank 0 holds the most batches; the others join its gathers
         batches += [[val[0]]] * (math.ceil(math.ceil(len(read) / d.dp) / cfg.batch_size) - len(batches))
     for i, batch in enumerate(batches):
-        inputs, targets, *positions = (t.to(d.device) for t in model.local_batch(trim_padding(batch)))
+        inputs, targets, *rest = (t.to(d.device) for t in model.local_batch(kit.collate(batch)))
         with autocast_for(precision, d.device):
-            loss = model.eval_loss(kit, (inputs, targets, *positions)).item()
+            loss = model.eval_loss(kit, (inputs, targets, *rest)).item()
         if i * cfg.batch_size < len(mine):  # a batch of this rank's own, not one that only joins in
             loss_sum += loss
             tokens += int((targets != IGNORE_INDEX).sum())
@@ -6435,6 +6580,8 @@ class Reporter:
             self.window_tokens + tokens, self.window_seconds + seconds, self.window_steps + 1)  # fmt: skip
         self.tokens, self.seconds = self.tokens + tokens, self.seconds + seconds
         self.bar.update(1)
+        if "loss" not in metrics:  # not read at this step (SideWork.read): nor reported
+            return
         self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
         self.progress.history.append({k: metrics[k] for k in ("step", "loss", "val_loss") if k in metrics})
         if not (step % cfg.log_every == 0 or step in (1, cfg.max_steps) or {"val_loss", "samples"} & set(metrics)):

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import worker
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import llm_ddp_parallel_training as t
 
@@ -71,7 +72,71 @@ def script_probe(args: list[str], d: t.Dist) -> int:
     return 0
 
 
+class HostReads(TorchDispatchMode):
+    """Counts, in the ops it sees, what makes a host wait for a GPU: a tensor's value read (.item(), float(),
+    bool(): aten._local_scalar_dense), a nonzero, or an index by a boolean mask (a nonzero inside). On this
+    CPU .tolist() reaches no dispatcher: Tensor.tolist is wrapped to count it too. Not counted: torch DDP's
+    reducer reading its int32 map of used parameters (find_unused_parameters), which it keeps in host memory
+    under CUDA too (reducer.cpp, finalize_bucket_dense): a read of the host's own memory."""
+
+    SYNCS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        masked = name == "aten.index" and any(i is not None and i.dtype == torch.bool for i in args[1])
+        used_map = name == "aten._local_scalar_dense" and args[0].dtype == torch.int32
+        if (name in self.SYNCS or masked) and not used_map:
+            self.found.append(f"{name} in {reader()}")
+        return func(*args, **(kwargs or {}))
+
+
+def reader() -> str:
+    """Who read: the innermost caller outside torch and this file, as module.function."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        module = Path(frame.filename).stem
+        if "/torch/" not in frame.filename and module != "probe_worker":
+            return f"{module}.{frame.name}"
+    return "torch"
+
+
+def host_reads_probe(args: list[str], d: t.Dist) -> int:
+    """The command line as a real run, each step's device work watched by HostReads: from the step's first
+    "sync" mark (after the batch is on the device and the Gloo vote is counted) to step_done. Rank 0 prints
+    a line `HOST_READS step N: op, op, ...` for each step."""
+    side, tolist, watching = t.SideWork, torch.Tensor.tolist, []
+
+    def counted_tolist(tensor: torch.Tensor) -> object:
+        for mode in watching:
+            mode.found.append(f"Tensor.tolist in {reader()}")
+        return tolist(tensor)
+
+    class Watched(side):
+        def mark(self, phase: str) -> None:
+            super().mark(phase)
+            if phase == "sync" and not watching:
+                watching.append(HostReads())
+                watching[0].__enter__()
+
+        def step_done(self, metrics: dict, *rest: object) -> None:
+            mode = watching.pop()
+            mode.__exit__(None, None, None)
+            if d.is_main:
+                print(f"HOST_READS step {metrics['step']}: {', '.join(mode.found)}", flush=True)
+            super().step_done(metrics, *rest)
+
+    t.SideWork, torch.Tensor.tolist = Watched, counted_tolist
+    try:
+        return command_line(args, d)
+    finally:
+        t.SideWork, torch.Tensor.tolist = side, tolist
+
+
 PROBES: dict[str, Callable[[list[str], t.Dist], int]] = {
+    "host_reads": host_reads_probe,
     "dropout": dropout_probe,
     "clock": clock_probe,
     "script": script_probe,

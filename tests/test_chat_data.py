@@ -321,7 +321,7 @@ def test_the_lean_head_gives_the_full_logits_loss_and_gradients(
     kit.model.eval()  # LoRA dropout off: both paths must see the same network
     inputs, targets, *positions = t.trim_padding([kit.train[i] for i in range(4)])
     params = [p for p in kit.model.parameters() if p.requires_grad]
-    lean = kit.loss(kit.trained, inputs, targets, *positions)
+    lean = kit.loss(kit.trained, *kit.collate([kit.train[i] for i in range(4)]))  # as train() gets it
     lean_grads = torch.autograd.grad(lean, params)
     logits = kit.model(input_ids=inputs, position_ids=positions[0] if positions else None, use_cache=False).logits
     full = t.token_loss_sum(logits, targets)
@@ -420,7 +420,7 @@ def test_packed_micro_batches_keep_examples_apart_on_the_flash_attention_path(ti
     batch = [packed[i] for i in range(len(packed))]
     assert 3 <= len(batch) < len(records), "several rows of several examples: the default --batch-size is above 1"
     cfg = t.parse_args(["--model", "qwen", "--pack", "--attn-implementation", "flash_attention_2"])
-    inputs, targets, positions = t.collate_for(cfg)(batch)
+    inputs, targets, positions = t.collate_for(cfg, cfg.attn_implementation)(batch)
     assert inputs.shape[0] == 1, "one row per micro-batch: transformers' flash path sees the packing"
 
     def worst_difference(inputs: torch.Tensor, positions: torch.Tensor) -> float:
@@ -471,3 +471,95 @@ def test_the_fused_heads_loss_is_cross_entropys_sum_in_float64():
     assert t.FusedHeadLoss.apply(h, w, y, 4, True).item() == pytest.approx(reference.item(), rel=1e-12)
     with torch.no_grad():  # evaluation: the loss alone, no gradient found
         assert t.FusedHeadLoss.apply(h, w, y, 4, False).item() == pytest.approx(reference.item(), rel=1e-12)
+
+
+def test_the_fused_heads_compiled_softmax_gradient_equals_the_eager_one():
+    # --compile compiles softmax_grad once for every chunk's row count (dynamic shapes): 4 rows, then a last chunk of 3.
+    torch.manual_seed(0)
+    h, w, y = torch.randn(11, 5), torch.randn(13, 5, requires_grad=True), torch.randint(13, (11,))
+    compiled = torch.compile(t.softmax_grad, dynamic=True)
+    results = []
+    for chunk_grad in (t.softmax_grad, compiled):
+        hidden = h.clone().requires_grad_()
+        loss = t.FusedHeadLoss.apply(hidden, w, y, 4, True, chunk_grad)
+        results.append((loss, *torch.autograd.grad(loss, (hidden, w))))
+    for eager, built in zip(*results, strict=True):
+        torch.testing.assert_close(built, eager, rtol=1e-6, atol=1e-6)  # fp32: a kernel may sum in its own order
+
+
+class MatmulCount(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the matrix multiplications that reach it (an op selective checkpointing answers from what it kept
+    never does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.matmuls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.matmuls += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
+        return func(*args, **(kwargs or {}))
+
+
+def test_selective_checkpointing_recomputes_no_matmul_in_backward(tiny_qwen, chat_file, tmp_path):
+    records, _ = t.read_records(t.Path(chat_file), "auto")
+    matmuls = {}
+    policies = {"none": [], "full": ["--gradient-checkpointing"],
+                "selective": ["--gradient-checkpointing", "--checkpoint-policy", "selective"]}  # fmt: skip
+    for name, flags in policies.items():
+        cfg = t.parse_args(qwen_args(tiny_qwen, tmp_path / name, "--seq-len", "128", *flags))
+        kit = t.build_pretrained_kit(cfg, t.laid_out(t.setup_distributed(cfg), cfg), records[:8], [])
+        kit.model.train()  # as train() sets it: transformers checkpoints only in training
+        kit.model.enable_input_require_grads()  # as checkpointing does: the same backward graph for all three
+        loss = kit.loss(kit.trained, *kit.collate([kit.train[i] for i in range(4)]))
+        with MatmulCount() as counted:
+            loss.backward()
+        matmuls[name] = counted.matmuls
+    # Full checkpointing runs each block's forward again in backward, its matmuls with it; selective keeps them.
+    assert matmuls["selective"] == matmuls["none"] < matmuls["full"], matmuls
+
+
+def test_varlen_attention_gives_packed_rows_the_masked_paths_loss_and_gradients(tiny_qwen, chat_file, tmp_path):
+    # On a CPU varlen_attention runs each example through SDPA in turn (torch's varlen kernel is CUDA's): the
+    # bounds the loader finds, their way through the lean head into transformers' attention, against the mask.
+    records, _ = t.read_records(t.Path(chat_file), "auto")
+    found = {}
+    for attention in ("sdpa", "varlen"):
+        flags = ["--seq-len", "128", "--pack", "--attn-implementation", attention]
+        cfg = t.parse_args(qwen_args(tiny_qwen, tmp_path / attention, *flags))
+        kit = t.build_pretrained_kit(cfg, t.laid_out(t.setup_distributed(cfg), cfg), records[:24], [])
+        kit.model.eval()  # LoRA dropout off: both must see the same network
+        batch = kit.collate([kit.train[i] for i in range(4)])
+        loss = kit.loss(kit.trained, *batch)
+        found[attention] = (
+            kit,
+            batch,
+            loss,
+            torch.autograd.grad(loss, [p for p in kit.model.parameters() if p.requires_grad]),
+        )
+    (_, rows, masked, masked_grads), (kit, row, varlen, varlen_grads) = found["sdpa"], found["varlen"]
+    assert (
+        kit.describe.endswith("; attention varlen (packed rows, no mask)")
+        and "attention" not in found["sdpa"][0].describe
+    )
+    assert rows[0].shape[0] > 1 and row[0].shape[0] == 1, "varlen takes the micro-batch's packed rows end to end"
+    starts = (row[3][0] == 0).nonzero().flatten()
+    assert row[4].tolist() == [*starts.tolist(), row[0].shape[1]], "bounds: each example's start, then the end"
+    assert varlen.item() == pytest.approx(masked.item(), rel=1e-5)
+    worst = max(
+        ((a - b).norm() / b.norm()).item() for a, b in zip(varlen_grads, masked_grads, strict=True) if b.norm() > 0
+    )
+    assert worst <= 1e-5, worst
+
+
+@pytest.mark.parametrize("flags", [["--no-pack"], ["--pack", "--head-loss", "full"]])
+def test_varlen_attention_is_refused_where_no_packed_row_reaches_the_lean_head(tiny_qwen, chat_file, tmp_path, flags):
+    cfg = t.parse_args(qwen_args(tiny_qwen, tmp_path, "--seq-len", "128", "--attn-implementation", "varlen", *flags))
+    records, _ = t.read_records(t.Path(chat_file), "auto")
+    with pytest.raises(t.UsageError, match=r"^--attn-implementation varlen keeps packed rows' examples apart"):
+        t.build_pretrained_kit(cfg, t.laid_out(t.setup_distributed(cfg), cfg), records[:8], [])
+
+
+def test_a_selective_checkpoint_policy_without_checkpointing_is_refused():
+    with pytest.raises(t.UsageError, match=r"^--checkpoint-policy selective says what --gradient-checkpointing"):
+        t.parse_args(["--model", "qwen", "--checkpoint-policy", "selective"])
+    assert t.parse_args(["--model", "qwen", "--checkpoint-policy", "full"]).checkpoint_policy == "full"  # config.yaml's

@@ -260,7 +260,7 @@ REFUSED = {
     "cp with pp": (["--cp", "2", "--pp", "2", "--n-layers", "2"], "--cp with --pp: the two do not compose yet"),
     "cp with hf": (["--cp", "2", "--model", "hf"], "--cp runs the tiny model; not yet with --model hf"),
     "cp with sample-every": (["--cp", "2", "--sample-every", "5"], "--sample-every samples rank 0's whole model"),
-    "cp with compile": (["--cp", "2", "--compile"], "not yet with --sharding full, --tp, --pp or --cp"),
+    "cp with compile": (["--cp", "2", "--compile"], "not yet with --tp, --pp or --cp"),
 }
 
 

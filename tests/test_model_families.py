@@ -179,7 +179,7 @@ def test_a_packed_row_gives_each_example_its_own_loss(name, family_dirs, tmp_pat
     inputs, targets, positions = rows.inputs, rows.targets, rows.positions
     starts = (positions[0] == 0).nonzero().flatten().tolist()  # each example's, then the padded tail's
     with torch.no_grad():
-        packed = kit.loss(kit.trained, inputs, targets, positions).item()
+        packed = kit.loss(kit.trained, *kit.collate([kit.train[0]])).item()  # the batch as train() gets it
         alone = 0.0
         for a, b in itertools.pairwise([*starts, inputs.shape[1]]):
             logits = kit.model(input_ids=inputs[:, a:b], use_cache=False).logits

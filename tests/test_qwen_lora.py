@@ -67,7 +67,11 @@ def two_ranks(tiny_qwen, tmp_path_factory) -> Shared:
         "whole": qwen_args(tiny_qwen, root / "whole", *RESUME_FLAGS),
         "hub_typo": qwen_args(HUB_TYPO, root / "hub_typo"),
         **head_jobs(tiny_qwen, root),
-    }
+        **{f"{policy} checkpointing": qwen_args(tiny_qwen, root / f"{policy} checkpointing", "--max-steps", "6",
+                                                "--log-every", "1", "--optimizer", "sgd", "--gradient-checkpointing",
+                                                "--checkpoint-policy", policy)
+           for policy in ("full", "selective")},  # lora-fused's run, checkpointed
+    }  # fmt: skip
     return share(root, jobs, nproc=2)
 
 
@@ -125,6 +129,17 @@ def test_gradient_checkpointing_under_ddp_still_trains_the_adapters(two_ranks):
     assert_ok(two_ranks["checkpointing"])
     _, weights = saved_adapter(two_ranks.out("checkpointing"))
     assert all(v.abs().sum() > 0 for k, v in weights.items() if "lora_B" in k)
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_gradient_checkpointing_recomputes_exactly_what_it_did_not_keep(two_ranks, policy):
+    # --checkpoint-policy selective keeps the matmuls' and attention's outputs and recomputes the rest; either way
+    # backward sees the same numbers a run without checkpointing kept (the recompute is deterministic on a CPU).
+    checkpointed, kept = two_ranks[f"{policy} checkpointing"], two_ranks["lora-fused"]
+    assert_ok(checkpointed)
+    assert len(checkpointed.losses()) == 6 and checkpointed.losses() == kept.losses()
+    ours, theirs = (saved_adapter(two_ranks.out(name))[1] for name in (f"{policy} checkpointing", "lora-fused"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
 @pytest.mark.parametrize("finetune", ["lora", "full"])
