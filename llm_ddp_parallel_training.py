@@ -4643,8 +4643,9 @@ def build_pretrained_kit(
         else:  # text was trained after a start token; a prompt-completion prompt had none
             prefix, stop = ([] if completions else [start]) + encode(prompt), [tokenizer.eos_token_id]
         ids = torch.tensor([prefix], device=d.device)
-        out = raw.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=cfg.sample_tokens,
-                           pad_token_id=tokenizer.pad_token_id, eos_token_id=stop, **sampling(cfg))  # fmt: skip
+        with torch.compiler.set_stance("force_eager"):  # compiled blocks: a KV cache would recompile each, each step
+            out = raw.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=cfg.sample_tokens,
+                               pad_token_id=tokenizer.pad_token_id, eos_token_id=stop, **sampling(cfg))  # fmt: skip
         reply = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
         if not reply.strip():  # a random model's tokens may decode to blank lines (120 of them): one line says so
             reply = f"(nothing but {len(reply)} whitespace character(s): a model this untrained has no words yet)"
@@ -4660,7 +4661,7 @@ def build_pretrained_kit(
             source = f"--eval-file {cfg.eval_file}" if cfg.eval_file else f"--val-fraction {cfg.val_fraction}"
             raise UsageError(f"held-out records ({source}): {e}") from None
 
-    head, head_note = loss_path(model, cfg.head_loss, d.tp, cfg.compile)
+    head, head_note = loss_path(model, cfg.head_loss, d.tp, cfg.compile, cfg.seq_len + 1)
     attention, attention_note = packed_attention(cfg, model, d.device, lean="loss_module" in head)
     collate = collate_for(cfg, attention)
     head["collate"] = (
@@ -4871,13 +4872,13 @@ class LeanHeadLoss(nn.Module):
     """A causal LM whose forward returns the loss sum without full logits (151,936 of them a token dwarf a LoRA
     step): the head runs only at target positions, chunk by chunk, fused (FusedHeadLoss: each chunk's gradients
     found in forward) or chunked (each chunk checkpointed, recomputed in backward). DDP wraps this module. No mask:
-    padding sits right, and packed rows get their block-diagonal mask from position_ids."""
+    padding sits right; packed rows get a block-diagonal one from position_ids, or varlen_attention their bounds."""
 
     CHUNK = 1024  # target tokens per checkpointed chunk (--head-loss chunked): 1024 x 151,936 fp32 logits = 622 MB
 
-    def __init__(self, lm: nn.Module, fused: bool = False, compiled: bool = False) -> None:
+    def __init__(self, lm: nn.Module, fused: bool = False, compiled: bool = False, longest: int = 2**31) -> None:
         super().__init__()
-        self.lm, self.fused = lm, fused  # the PEFT model; its body and head are looked up, not registered twice
+        self.lm, self.fused, self.longest = lm, fused, longest  # lm: the PEFT model (its body and head looked up)
         # --compile: one kernel makes a chunk's softmax gradient (fused); rows vary by chunk, the shapes are dynamic
         self.softmax_grad = torch.compile(softmax_grad, dynamic=True) if compiled else softmax_grad
 
@@ -4888,10 +4889,7 @@ class LeanHeadLoss(nn.Module):
         if rows is None:
             rows = (targets.flatten() != IGNORE_INDEX).nonzero().squeeze(1)
         body, head = decoder_body(self.lm), causal_lm(self.lm).get_output_embeddings()
-        n = ids.shape[1]  # varlen_attention's bounds, as transformers passes flash attention's down to it
-        examples = (
-            {} if bounds is None else dict(cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=n, max_length_k=n)
-        )
+        examples = {} if bounds is None else {"cu_seq_lens_q": bounds, "max_length_q": min(ids.shape[1], self.longest)}
         hidden = body(input_ids=ids, position_ids=positions, use_cache=False, **examples).last_hidden_state
         hidden, targets = hidden.flatten(0, 1).index_select(0, rows), targets.flatten().index_select(0, rows)
         if self.fused:
@@ -4955,7 +4953,7 @@ class FusedHeadLoss(torch.autograd.Function):
         return grad_hidden * grad_total.to(grad_hidden.dtype), dw, None, None, None, None
 
 
-def loss_path(model: nn.Module, head_loss: str, tp: int, compiled: bool) -> tuple[dict, str]:
+def loss_path(model: nn.Module, head_loss: str, tp: int, compiled: bool, longest: int) -> tuple[dict, str]:
     """--head-loss: fused or chunked, the lean head (LeanHeadLoss), where logits are the head's plain output; the
     model's own forward (full) where asked, or where a model rescales its logits (Gemma's soft-capping, Cohere's
     logit scale). Under --tp the head's weight is a DTensor slice: chunked. The kit's loss; the choice and why, for
@@ -4972,7 +4970,7 @@ def loss_path(model: nn.Module, head_loss: str, tp: int, compiled: bool) -> tupl
         return {"loss": lambda m, ids, targets, positions=None: token_loss_sum(
             m(input_ids=ids, position_ids=positions, use_cache=False).logits, targets)}, note  # fmt: skip
     return {
-        "loss_module": LeanHeadLoss(model, fused=head_loss == "fused", compiled=compiled),
+        "loss_module": LeanHeadLoss(model, fused=head_loss == "fused", compiled=compiled, longest=longest),
         "loss": lambda m, ids, targets, *rest: m(ids, targets, *rest),
     }, note
 
@@ -4990,17 +4988,17 @@ def lean_batch(collate: Callable, bounds: bool, batch: list) -> tuple[torch.Tens
 
 
 def packed_attention(cfg: RunConfig, model: nn.Module, device: torch.device, lean: bool) -> tuple[str, str]:
-    """--attn-implementation auto and varlen, decided once the head is: varlen (varlen_attention) where packed rows
-    reach a lean head, which carries their bounds, and every layer attends in full (no sliding window); auto takes
-    it on a CUDA GPU whose torch has the kernel. The attention, and a note for the header."""
+    """--attn-implementation auto and varlen, once the head is known: varlen (varlen_attention) where packed rows reach
+    the lean head, which carries their bounds, and no layer slides a window; auto takes it on a GPU computing bf16
+    (the kernel's dtypes, Ampere on) unless --precision fp32. The attention, and a note for the header."""
     lm, wanted = causal_lm(model), cfg.attn_implementation
-    fits = (
-        cfg.pack and lean and set(getattr(lm.config, "layer_types", None) or ["full_attention"]) == {"full_attention"}
-    )
+    slides = "sliding" if getattr(lm.config, "sliding_window", None) else "full"  # (a config with no layer_types)
+    fits = cfg.pack and lean and set(getattr(lm.config, "layer_types", None) or [f"{slides}_attention"]) == {
+        "full_attention"}  # fmt: skip
     if wanted == "varlen" and not fits:
         raise UsageError("--attn-implementation varlen keeps packed rows' examples apart for the lean head: it needs "
                          "--pack, --head-loss fused or chunked, and no layer sliding a window; use sdpa")  # fmt: skip
-    kernel = device.type == "cuda" and importlib.util.find_spec("torch.nn.attention.varlen") is not None
+    kernel = device.type == "cuda" and gpu_computes_bf16() and cfg.precision != "fp32"
     if wanted == "varlen" or (wanted == "auto" and fits and kernel):
         from transformers import AttentionInterface
 
@@ -5020,13 +5018,15 @@ def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
     if cu_seq_lens_q is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (tokens, heads, head size)
-    if q.is_cuda:  # the row's length bounds its longest example: known on the host, no read
+    half = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else value.dtype  # (rotary: fp32 q)
+    q, k, v = (t[0].transpose(0, 1).to(half) for t in (query, key, value))  # (tokens, heads, head size)
+    if q.is_cuda and half != torch.float32:  # the kernel's bound on the longest example: known on the host, no read
         from torch.nn.attention.varlen import varlen_attn
 
-        out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, len(q), len(q), scale=scaling, window_size=(-1, 0),
+        n = kwargs["max_length_q"]
+        out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, n, n, scale=scaling, window_size=(-1, 0),
                           enable_gqa=True)  # fmt: skip
-    else:  # the same on a CPU, which has no such kernel: example by example (here a read costs nothing)
+    else:  # the same where there is no such kernel (CPU, fp32): example by example, its bounds read
         edges = cu_seq_lens_q.tolist()
         out = torch.cat([F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v)), is_causal=True,
                                                         scale=scaling, enable_gqa=True).transpose(0, 1)
@@ -6157,12 +6157,12 @@ class SideWork(Hooks):
         stats.timeline = self.timeline
         self.offsets = clock_offsets(d) if self.timeline else []
         self.predicted = predict_memory(cfg, d, kit)  # from the whole model, before any sharding
-        for block in kit.blocks if cfg.compile else ():  # block by block, as torchtitan does: one graph serves every
-            block.forward = torch.compile(block.forward)  # block, and hooks stay outside it (an FSDP unit's gathers)
 
     def start(self, model: Layout, named_params: list, optimizer: torch.optim.Optimizer,
               sampler: DistributedSampler, steps_per_epoch: int) -> Progress:  # fmt: skip
         cfg, d, resume = self.cfg, self.d, self.resume
+        for block in self.kit.blocks if cfg.compile else ():  # wrapped or sharded first (fully_shard's subclass: its
+            block.forward = torch.compile(block.forward)  # forward checkpoints); block by block, as torchtitan does
         progress = resume_training(resume, model, named_params, optimizer, self.scaler, d) if resume else Progress()
         announce_run(cfg, d, sampler, steps_per_epoch, self.precision, model, optimizer, named_params)
         self.saver = StateSaver(cfg, d, self.settings, progress.step if resume else None)
@@ -7254,7 +7254,8 @@ def run_settings(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
     if cfg.cp > 1:  # recorded where it splits: a checkpoint of a run before --cp resumes as it always did
         settings["cp"] = cfg.cp
     if cfg.model == "hf":  # as loaded: the targets a list, auto resolved
-        settings |= {"lora_targets": list(cfg.lora_targets),
+        settings |= {"lora_targets": list(cfg.lora_targets), "attn_implementation":
+                     causal_lm(kit.model).config._attn_implementation,
                      "dtype": str(choose_weights_dtype(cfg, d)).removeprefix("torch.")}  # fmt: skip
     return settings
 

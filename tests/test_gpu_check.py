@@ -46,5 +46,6 @@ def test_smoke_run_prints_the_table_and_writes_a_record_per_configuration(tmp_pa
     assert {c.policy for c in gpu_check.CONFIGS if c.checkpointing and c.trainer == "script"} == {"full", "selective"}
     # On a CPU --attn-implementation auto is sdpa: the varlen row runs the masked row's path, and its loss is equal.
     assert "Varlen against masked attention, step 1's loss on one batch" in summary["attention"]
+    assert summary["attention"].endswith(": agree).")
     assert records[gpu_check.VARLEN]["first_loss"] == records[gpu_check.MASKED]["first_loss"]
     assert not (tmp_path / "models").exists() and not (tmp_path / "runs").exists()  # the weights are removed

@@ -3,7 +3,7 @@
 On a GPU every read of a tensor's value (.item(), .tolist(), a nonzero, a boolean-mask index) makes the host
 wait until the GPU has done all it was given, and the next kernels start only once the host has launched them
 again. A step should queue its work and move on: the lean head's target rows come from the loader (found on
-the CPU by with_target_rows), and the loss and gradient norm are read at the steps that log, evaluate or save
+the CPU by lean_batch), and the loss and gradient norm are read at the steps that log, evaluate or save
 (SideWork.read), which check the steps between them too.
 
 These runs are real (2 Gloo ranks, tests/probe_worker.py's host_reads probe): every op of each step's device
