@@ -194,8 +194,8 @@ class RunConfig:
                                          "every linear layer but the output head", type="layer names")  # fmt: skip
     dtype: str = flag("auto", "weights dtype; auto: bfloat16 on GPUs that support it, else float32",
                       choices=["auto", "float32", "bfloat16", "float16"])  # fmt: skip
-    attn_implementation: str = flag("auto", "attention kernel; auto: varlen for packed rows on a CUDA GPU, else sdpa; "
-                                    "varlen: each packed example attends to itself alone, no mask (torch's "
+    attn_implementation: str = flag("auto", "attention kernel; auto: varlen for packed rows on a GPU computing bf16, "
+                                    "else sdpa; varlen: each packed example attends to itself alone, no mask (torch's "
                                     "variable-length flash kernel; on CPU, SDPA example by example); flash_attention_2 "
                                     "needs CUDA and the flash-attn package",
                                     choices=["auto", "sdpa", "varlen", "flash_attention_2", "eager"])  # fmt: skip
