@@ -135,8 +135,31 @@ def host_reads_probe(args: list[str], d: t.Dist) -> int:
         t.SideWork, torch.Tensor.tolist = side, tolist
 
 
+def compiled_blocks_probe(args: list[str], d: t.Dist) -> int:
+    """The command line as a real run up to its first step: then rank 0 prints, for each block, whether the forward
+    --compile compiled is the one its class has now (after fully_shard made it a subclass, whose forward is the one
+    transformers' checkpointing wraps outermost), and stops."""
+
+    class Started(t.SideWork):
+        def start(self, *args: object) -> t.Progress:
+            super().start(*args)
+            wrapped = [
+                block.forward._torchdynamo_orig_callable.__func__ is type(block).forward for block in self.kit.blocks
+            ]
+            if d.is_main:
+                print("COMPILED_AS_WRAPPED", *wrapped, type(self.kit.blocks[0]).__name__, flush=True)
+            raise SystemExit(0)
+
+    side, t.SideWork = t.SideWork, Started
+    try:
+        return command_line(args, d)
+    finally:
+        t.SideWork = side
+
+
 PROBES: dict[str, Callable[[list[str], t.Dist], int]] = {
     "host_reads": host_reads_probe,
+    "compiled_blocks": compiled_blocks_probe,
     "dropout": dropout_probe,
     "clock": clock_probe,
     "script": script_probe,

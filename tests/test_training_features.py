@@ -25,6 +25,7 @@ import time
 import pytest
 import torch
 from conftest import SCRIPT, TINY, assert_ok, child_env, launch, run_jobs, split_lines
+from probe_worker import run_jobs_with_probes
 from rows import byte_examples
 
 import llm_ddp_parallel_training as t
@@ -377,3 +378,30 @@ def test_emulated_bf16_on_a_cpu_is_said_at_start_up(one_process):
     warning = [line for line in run.stdout.splitlines() if "no bf16 instructions" in line]
     assert len(warning) == 1 and "x slower than fp32" in warning[0] and "--precision fp32" in warning[0]
     assert t.choose_precision(t.parse_args(["--cpu"]), t.setup_distributed(t.parse_args(["--cpu"]))) == "fp32"
+
+
+def test_compile_wraps_each_sharded_blocks_own_forward_so_checkpointing_stays_on(tiny_qwen, tmp_path):
+    # fully_shard makes each block an instance of a subclass, whose forward transformers wraps again and checkpoints
+    # in only the outermost wrapper: a block compiled before sharding would run that subclass's inner forward,
+    # silently without checkpointing. The blocks are compiled after (SideWork.start): each wraps its class's own.
+    args = [
+        "--model",
+        "qwen",
+        "--model-name-or-path",
+        str(tiny_qwen),
+        "--cpu",
+        "--output-dir",
+        str(tmp_path),
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "32",
+        "--sharding",
+        "full",
+        "--gradient-checkpointing",
+        "--compile",
+    ]
+    run = run_jobs_with_probes({"probe": ["probe:compiled_blocks", *args]}, nproc=2, timeout=180)["probe"]
+    assert_ok(run)
+    found = next(line.split()[1:] for line in run.stdout.splitlines() if line.startswith("COMPILED_AS_WRAPPED"))
+    assert found[-1].startswith("FSDP") and set(found[:-1]) == {"True"}, found  # fmt: skip
