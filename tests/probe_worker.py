@@ -131,7 +131,9 @@ def host_reads_probe(args: list[str], d: t.Dist) -> int:
     t.SideWork, torch.Tensor.tolist = Watched, counted_tolist
     try:
         return command_line(args, d)
-    finally:
+    finally:  # a run that failed mid-step (a non-finite loss, read late) leaves its mode entered: the next job's not
+        for mode in reversed(watching):
+            mode.__exit__(None, None, None)
         t.SideWork, torch.Tensor.tolist = side, tolist
 
 
