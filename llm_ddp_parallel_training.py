@@ -7709,7 +7709,7 @@ def steps_for_epochs(cfg: RunConfig, d: Dist, kit: ModelKit) -> RunConfig:
 EXIT_USAGE = 2  # bad input: flags, files, hardware (a UsageError)
 EXIT_STOPPED = 3  # stopped cleanly by a signal, checkpoint written, not finished
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-PEER_SILENT = ("Timed out", "timed out", "Timeout")
+PEER_SILENT = ("Timed out", "timed out", "Timeout", "timeout caused pair closure")  # (the last: Gloo's, under load)
 
 
 def report_error(message: str, every_rank: bool = False, after_peer: bool = False) -> None:
