@@ -38,11 +38,17 @@ def dropout_probe(args: list[str], d: t.Dist) -> int:
             print("WEIGHTS_EQUAL", torch.equal(first[0], second[0]), "MASKS_EQUAL", torch.equal(first[1], second[1]))
         raise SystemExit(0)
 
-    train, t.train = t.train, probe
+    return run_replaced("train", probe, args, d)
+
+
+def run_replaced(name: str, value: object, args: list[str], d: t.Dist) -> int:
+    """The command line as a real run, the script's `name` replaced by `value` while it runs."""
+    kept = getattr(t, name)
+    setattr(t, name, value)
     try:
         return command_line(args, d)
     finally:
-        t.train = train
+        setattr(t, name, kept)
 
 
 def clock_probe(args: list[str], d: t.Dist) -> int:
@@ -152,11 +158,7 @@ def compiled_blocks_probe(args: list[str], d: t.Dist) -> int:
                 print("COMPILED_AS_WRAPPED", *wrapped, type(self.kit.blocks[0]).__name__, flush=True)
             raise SystemExit(0)
 
-    side, t.SideWork = t.SideWork, Started
-    try:
-        return command_line(args, d)
-    finally:
-        t.SideWork = side
+    return run_replaced("SideWork", Started, args, d)
 
 
 PROBES: dict[str, Callable[[list[str], t.Dist], int]] = {
