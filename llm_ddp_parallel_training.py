@@ -165,7 +165,7 @@ class RunConfig:
     data_format: str = flag(
         "auto",
         "for a .jsonl corpus: the records' schema (auto: decided from the records)",
-        choices=["auto", "text", "messages", "prompt-completion", "sharegpt", "alpaca"],
+        choices=["auto", "text", "messages", "prompt-completion", "sharegpt", "alpaca", "preference"],
     )
     train_on_prompt: bool = flag(False, "chat and prompt-completion data: train on every token, not only the replies",
                                  action="store_true")  # fmt: skip
@@ -209,6 +209,9 @@ class RunConfig:
                          "where DDP does not)", choices=["lora", "full"])  # fmt: skip
     head_loss: str = flag("fused", "the head's loss, chunk by chunk: fused finds its gradients in forward, chunked "
                           "recomputes in backward; full: all logits", choices=["fused", "chunked", "full"])  # fmt: skip
+    objective: str = flag("sft", "sft: learn the replies; dpo: prefer each pair's chosen reply to its rejected one "
+                          "(Direct Preference Optimization, preference records)", choices=["sft", "dpo"])  # fmt: skip
+    dpo_beta: float = flag(0.1, "DPO's beta: how far preferences may pull the model from its reference", within=RATE)
 
     batch_size: int = flag(8, "examples per rank per step", "optimisation", within=POSITIVE)
     max_steps: int = flag(None, "optimizer steps, across epochs (default: 600, or no cap when --epochs is given)",
@@ -509,10 +512,9 @@ class Lines:
 
     @classmethod
     def from_texts(cls, texts: list[str]) -> Lines:
-        encoded = [t.encode("utf-8") for t in texts]
+        """Lines given as texts, none holding a newline: the stream's newlines are their edges."""
         stream = np.frombuffer(packed_stream(texts), dtype=np.uint8)
-        edges = np.concatenate([[0], np.cumsum([len(b) + 1 for b in encoded], dtype=np.int64)])
-        return cls(stream, edges, hashlib.sha256(stream.tobytes()).hexdigest())
+        return cls(stream, np.flatnonzero(stream == NEWLINE), hashlib.sha256(stream.tobytes()).hexdigest())
 
     def __len__(self) -> int:
         return len(self.edges) - 1 if self.chosen is None else int(self.chosen.sum())
@@ -564,11 +566,14 @@ class Pieces:
 
 
 class Rows(Dataset):
-    """Examples made a row at a time, as a batch asks, from flat token arrays: nothing is held padded.
-    Row i is (inputs, targets[, positions]) of seq_len tokens (ShiftingWindows, ByteWindows, TokenRows)."""
+    """Examples made a row at a time, as a batch asks, from flat token arrays: nothing is held padded. Row i is
+    (inputs, targets[, positions]) of seq_len tokens (ShiftingWindows, ByteWindows, TokenRows); key, what they are."""
 
     def set_epoch(self, epoch: int) -> None:
         """Fixed rows: only the sampler's order changes between epochs."""
+
+    def digest(self) -> str:
+        return self.key  # a checkpoint records it: a resume on other rows is refused
 
 
 class ShiftingWindows(Rows):
@@ -593,9 +598,6 @@ class ShiftingWindows(Rows):
     @property
     def target_bytes(self) -> torch.Tensor:
         return torch.full((len(self),), self.seq_len, dtype=torch.long)  # every window is full
-
-    def digest(self) -> str:
-        return self.key
 
 
 class ByteWindows(Rows):
@@ -631,9 +633,6 @@ class ByteWindows(Rows):
         span = np.repeat(np.arange(len(self.lengths)), np.diff(self.cum))
         cut = (np.arange(len(self)) - self.cum[span]) * self.seq_len
         return torch.from_numpy(np.minimum(self.seq_len + 1, self.lengths[span] - cut) - 1)
-
-    def digest(self) -> str:
-        return self.key
 
 
 class LeanDistributedSampler(DistributedSampler):
@@ -793,6 +792,7 @@ class ModelKit:
     final_label: str  # ... and what that is, for the log
     describe: str
     collate: Callable[[list], tuple] = trim_padding  # how a micro-batch's rows are stacked
+    count: Callable[[tuple], int] = lambda batch: int((batch[1] != IGNORE_INDEX).sum())  # what the loss averages over
     data_report: str = ""  # what became of the records on the way to examples
     loss_module: nn.Module | None = None  # what DDP wraps and `loss` runs, if not the model (LeanHeadLoss)
     blocks: list[nn.Module] = field(default_factory=list)  # the Transformer blocks (a sharded layout's units)
@@ -801,6 +801,7 @@ class ModelKit:
     sample: Callable[[nn.Module, str], str] | None = None  # (unwrapped model, prompt) -> text
     flops_per_token: float = 0.0  # training FLOPs per token, for MFU
     reload: Callable[[Path], nn.Module] | None = None  # save_final's output read back, as a plain model
+    tally: object | None = None  # what the loss counts beside itself, reported with it (DPO's rewards: RewardTally)
 
     @property
     def trained(self) -> nn.Module:
@@ -1104,12 +1105,11 @@ class ManualDDP(Wrapper):
             p.register_post_accumulate_grad_hook(self.gradient_ready)
 
     def _add_bucket(self, params: list[nn.Parameter]) -> None:
-        sizes = [p.numel() for p in params]
-        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        flat = torch.zeros(sum(sizes), dtype=params[0].dtype, device=params[0].device)
-        bucket = Bucket(len(self.buckets), params, flat, offsets)
+        offsets = [0, *itertools.accumulate(p.numel() for p in params)]  # where each one starts, and where they end
+        flat = torch.zeros(offsets[-1], dtype=params[0].dtype, device=params[0].device)
+        bucket = Bucket(len(self.buckets), params, flat, offsets[:-1])
         self.buckets.append(bucket)
-        for p, offset in zip(params, offsets, strict=True):
+        for p, offset in zip(params, offsets[:-1], strict=True):
             self.place[p] = (bucket, offset)
 
     def gradient_ready(self, p: nn.Parameter) -> None:
@@ -1320,9 +1320,9 @@ def train(cfg: RunConfig, d: Dist, kit: ModelKit, hooks: Hooks | None = None) ->
         hooks.begin_step(step)
         batches = next(stream)  # this rank's micro-batches (its replica's, where ranks share one)
         cpu_batches = [model.local_batch(batch) for batch in batches]  # what of them this rank computes: all
-        # Count target tokens while the batch is still on the CPU: on a GPU it would be a sync.
-        micro_tokens = [int((batch[1] != IGNORE_INDEX).sum()) for batch in cpu_batches]
-        replica_tokens = [int((batch[1] != IGNORE_INDEX).sum()) for batch in batches]  # (mean-of-means divides by)
+        # Count target tokens (kit.count: what the loss averages over) while the batch is on the CPU: on a GPU, a sync.
+        micro_tokens = [kit.count(batch) for batch in cpu_batches]
+        replica_tokens = [kit.count(batch) for batch in batches]  # (mean-of-means divides by)
         micro_batches = [tuple(t.to(d.device, non_blocking=True) for t in batch) for batch in cpu_batches]
         hooks.mark("data")
         # One small all-reduce before any backward carries the facts every rank must share: the global
@@ -3054,6 +3054,8 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         raise UsageError(why)
     if cfg.merge_lora is not None and (why := cannot_merge(cfg)):
         raise UsageError(why)
+    if cfg.objective == "dpo" and (why := cannot_prefer(cfg, typed)):
+        raise UsageError(why)
     if missing := [n for n in cfg.report_to if n in TRACKERS and importlib.util.find_spec(n) is None]:
         raise UsageError(f"--report-to {missing[0]} needs its library: pip install {' '.join(missing)}")
     if cfg.chat and not cfg.chat.exists():
@@ -3075,6 +3077,20 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
             f"--prompt cannot be encoded as UTF-8 (character {e.start} is {e.object[e.start]!a})"
         ) from None
     return cfg
+
+
+def cannot_prefer(cfg: RunConfig, typed: set[str]) -> str | None:
+    """What --objective dpo cannot do, each named before any rank starts."""
+    if cfg.tp * cfg.pp * cfg.cp > 1:
+        return ("--objective dpo with --tp, --pp or --cp: a pair's two sides go through one forward on one rank, and "
+                "these cut the model or its sequences across ranks; use DDP or --sharding")  # fmt: skip
+    if cfg.pack:
+        return "--objective dpo keeps each side of a pair in a row of its own: leave out --pack"
+    if cfg.train_on_prompt:
+        return "--objective dpo compares the two completions alone: leave out --train-on-prompt"
+    if "--head-loss" in typed:
+        return "--head-loss: DPO's per-sequence log-probabilities always take the chunked head: leave it out"
+    return None
 
 
 def check_model_flags(parser: argparse.ArgumentParser, argv: list[str], args: argparse.Namespace) -> None:
@@ -3397,6 +3413,8 @@ class Record:
     prompt: str | None = None
     completion: str | None = None
     source: str = field(default="", compare=False)  # FILE:LINE, for errors found later
+    prompt_turns: int = 0  # a preference pair's side: its first turns are the prompt, never a target
+    rejected: Record | None = None  # a preference pair: this record is its chosen side, and this its rejected one
 
 
 # ----- the token cache: each record tokenized once, by one process per machine, read by every rank -----
@@ -3608,6 +3626,7 @@ def record_source(cfg: RunConfig) -> tuple[Reading, Iterator[list]]:
 
 def detect_format(obj: dict, where: str) -> str:
     for fmt, keys in (
+        ("preference", ("chosen", "rejected")),  # first: its explicit form has a prompt
         ("messages", ("messages",)),
         ("sharegpt", ("conversations",)),
         ("prompt-completion", ("prompt", "completion")),
@@ -3618,7 +3637,7 @@ def detect_format(obj: dict, where: str) -> str:
             return fmt
     raise UsageError(
         f"{where}: no known fields ({', '.join(sorted(obj)) or 'none'}): expected text, messages, "
-        "prompt + completion, conversations, or instruction + output"
+        "prompt + completion, conversations, instruction + output, or chosen + rejected"
     )
 
 
@@ -3638,6 +3657,8 @@ def parse_record(obj: dict, fmt: str, where: str) -> Record:
 
     if fmt == "text":
         return Record(text=string("text"))
+    if fmt == "preference":
+        return preference_record(obj, where)
     if fmt == "prompt-completion":
         return Record(prompt=string("prompt"), completion=string("completion"))
     if fmt == "alpaca":
@@ -3663,6 +3684,36 @@ def parse_record(obj: dict, fmt: str, where: str) -> Record:
     if not any(role == "assistant" for role, _ in parsed):
         raise UsageError(f"{where}: the conversation has no assistant turn: nothing to train on")
     return Record(messages=tuple(parsed))
+
+
+def preference_record(obj: dict, where: str) -> Record:
+    """A preference pair in TRL's forms: prompt, chosen and rejected as strings or as message lists, or (the implicit
+    prompt) chosen and rejected alone, whole texts or conversations whose shared opening is the prompt. Its chosen
+    side as a record, holding its rejected side; each side's targets are its completion's."""
+    for key in ("chosen", "rejected"):
+        if not isinstance(obj.get(key), str | list) or not obj[key]:
+            what = "missing" if obj.get(key) is None else "not a non-empty string or list of messages"
+            raise UsageError(f"{where}: field '{key}' is {what}")
+    prompt, chosen, rejected = obj.get("prompt"), obj["chosen"], obj["rejected"]
+    if len({type(x) for x in (chosen, rejected, chosen if prompt is None else prompt)}) > 1:
+        raise UsageError(f"{where}: prompt, chosen and rejected must be all strings or all lists of messages")
+    if chosen == rejected:
+        raise UsageError(f"{where}: chosen and rejected are the same: the pair prefers nothing")
+    if prompt is None:  # the shared opening, as TRL's extract_prompt finds it (a space before the split left out)
+        n = next((i for i, (a, b) in enumerate(zip(chosen, rejected, strict=False)) if a != b), None)
+        if n is None:
+            raise UsageError(f"{where}: one of chosen and rejected ends where the other goes on: nothing to prefer")
+        n -= isinstance(chosen, str) and n > 0 and chosen[n - 1] == " "
+        if n == 0:
+            raise UsageError(f"{where}: chosen and rejected share no opening to be the prompt: give it as 'prompt'")
+        prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+    if isinstance(chosen, str):
+        sides = [parse_record({"prompt": prompt, "completion": side}, "prompt-completion", where) for side in (
+            chosen, rejected)]  # fmt: skip
+    else:  # the turns after the prompt's are the completion's
+        sides = [replace(parse_record({"messages": prompt + c}, "messages", where), prompt_turns=len(prompt))
+                 for c in (chosen, rejected)]  # fmt: skip
+    return replace(sides[0], rejected=replace(sides[1], source=where))
 
 
 def describe_records(fmt: str) -> str:
@@ -3697,6 +3748,12 @@ def tokenize_record(
         segments = [] if train_on_prompt else chat_segments(record.messages, tokenizer, masking, full)
         ends = itertools.accumulate(len(text) for text, _ in segments)
         targets = [(end - len(text), end) for (text, target), end in zip(segments, ends, strict=True) if target]
+        if record.prompt_turns:  # a preference pair's side: the completion's replies alone are targets
+            opening = render_chat(record.messages[: record.prompt_turns], tokenizer, prompt=True)
+            if not full.startswith(opening):
+                raise UsageError("the chat template renders the prompt otherwise inside the conversation: the "
+                                 "completion cannot be told from it")  # fmt: skip
+            targets = [(max(a, len(opening)), b) for a, b in targets if b > len(opening)]
         users = message_ranges(record.messages, tokenizer, masking, full, refuse=not train_on_prompt)
         seq = encode_with_targets(full, targets, users, tokenizer)
         return TokenSequence(seq.ids, [train_on_prompt or t for t in seq.is_target])
@@ -3916,13 +3973,20 @@ class Tokens:
     chat: bool  # conversations: sampling answers through the chat template
     completions: bool  # prompt-completion records: sampling continues a prompt with no start token
     fmt: str = "text"  # the records' format, as the file gives it (describe_records)
-    chosen: np.ndarray | None = None  # bool, one per record; None: every record
+    chosen: np.ndarray | None = None  # bool, one per sequence; None: every one
+
+    @property
+    def pairs(self) -> bool:
+        """Preference records: each two sequences (pair_sides), split, counted and drawn together."""
+        return self.fmt == "preference"
 
     def __len__(self) -> int:
-        return len(self.offsets) - 1 if self.chosen is None else int(self.chosen.sum())
+        """Records (pairs, of preference records)."""
+        return (len(self.offsets) - 1 if self.chosen is None else int(self.chosen.sum())) // (1 + self.pairs)
 
     def subset(self, chosen: np.ndarray) -> Tokens:
-        return replace(self, chosen=chosen)
+        """The records (pairs) `chosen` marks."""
+        return replace(self, chosen=np.repeat(chosen, 1 + self.pairs))
 
     def records(self) -> np.ndarray:
         return np.arange(len(self.offsets) - 1) if self.chosen is None else np.flatnonzero(self.chosen)
@@ -3939,9 +4003,12 @@ class TokenRows(Rows):
         kept_length = np.minimum(lengths, seq_len + 1)
         # A record cut so short that no target is left would train on nothing (and a step of
         # nothing but such records would divide by zero): it is dropped.
-        keep = tokens.first_target[records] < kept_length
-        self.counts = {"records": len(records), "truncated": int((lengths > seq_len + 1).sum()),
-                       "dropped": int((~keep).sum())}  # fmt: skip
+        keep, cut, self.unit = tokens.first_target[records] < kept_length, lengths > seq_len + 1, 1 + tokens.pairs
+        if tokens.pairs:  # a pair is kept whole (each side with a target left) or dropped whole; cut where a side is
+            keep, cut = np.repeat(keep[0::2] & keep[1::2], 2), np.repeat(cut[0::2] | cut[1::2], 2)
+        self.counts = {"records": len(records) // self.unit, "truncated": int(cut.sum()) // self.unit,
+                       "dropped": int((~keep).sum()) // self.unit}  # fmt: skip
+        self.reference: np.ndarray | None = None  # a pair's reference log-probabilities, where computed in advance
         if not keep.any():
             raise UsageError(f"no record keeps a target token within --seq-len {seq_len}: raise --seq-len")
         self.records, self.lengths = records[keep], kept_length[keep]
@@ -3952,9 +4019,16 @@ class TokenRows(Rows):
         self.key = sha256(f"{tokens.key}:rows:{seq_len}:{pack}:".encode() + self.records.tobytes())
 
     def __len__(self) -> int:
-        return len(self.row_starts) - 1
+        return (len(self.row_starts) - 1) // self.unit
 
     def __getitem__(self, r: int) -> tuple[torch.Tensor, ...]:
+        """Row r; of pairs, pair r: its two sides' rows stacked (and their reference log-probabilities)."""
+        if self.unit == 1:
+            return self.row(r)
+        sides = [torch.stack(column) for column in zip(self.row(2 * r), self.row(2 * r + 1), strict=True)]
+        return (*sides, *([] if self.reference is None else [torch.from_numpy(self.reference[r])]))
+
+    def row(self, r: int) -> tuple[torch.Tensor, ...]:
         inputs = torch.full((self.seq_len,), self.pad_id, dtype=torch.long)
         targets = torch.full((self.seq_len,), IGNORE_INDEX, dtype=torch.long)
         positions = torch.zeros(self.seq_len, dtype=torch.long)
@@ -3981,10 +4055,7 @@ class TokenRows(Rows):
             start, n = int(self.tokens.offsets[self.records[j]]), int(self.lengths[j])
             ids, is_target = self.tokens.ids[start : start + n], self.tokens.is_target[start : start + n]
             per_record[j] = count_target_bytes(TokenSequence(ids.tolist(), is_target.tolist()), self.tokenizer)
-        return torch.from_numpy(np.add.reduceat(per_record, self.row_starts[:-1]))
-
-    def digest(self) -> str:
-        return self.key
+        return torch.from_numpy(np.add.reduceat(per_record, self.row_starts[:-1]).reshape(-1, self.unit).sum(1))
 
 
 def pack_rows(lengths: np.ndarray, seq_len: int) -> np.ndarray:
@@ -4020,7 +4091,9 @@ def as_tokens(records: list[Record] | Tokens, tokenizer: PreTrainedTokenizerBase
     part = tokenize_chunk(Reading("records", "", "auto", train_on_prompt), tokenizer, list(records))
     offsets = np.concatenate([[0], np.cumsum(part["lengths"])])
     key = sha256(b"".join(part[k].tobytes() for k in ("ids", "is_target")) + offsets.tobytes())
-    fmt = "messages" if "chat" in part["kinds"] else "prompt-completion" if "completions" in part["kinds"] else "text"
+    kinds = part["kinds"]
+    fmt = "preference" if "pairs" in kinds else "messages" if "chat" in kinds else "prompt-completion" if (
+        "completions" in kinds) else "text"  # fmt: skip
     return Tokens(part["ids"], offsets, part["is_target"], part["target_bytes"], part["first_target"], key,
                   "chat" in part["kinds"], "completions" in part["kinds"], fmt)  # fmt: skip
 
@@ -4046,7 +4119,10 @@ def first_records(cfg: RunConfig, n: int) -> list[Record]:
 
 
 def print_examples(cfg: RunConfig, d: Dist, records: list[Record]) -> None:
-    """--show-examples: the first records as the model will see them, each target run in [[ ]]."""
+    """--show-examples: the first records as the model will see them, each target run in [[ ]]; a pair, each side."""
+    labels = [f"pair {n}, {side}" if r.rejected else f"example {n}" for n, r in enumerate(records, 1)
+              for side in ("chosen", "rejected")[: 1 + bool(r.rejected)]]  # fmt: skip
+    records = [side for r in records for side in pair_sides(r)]
     if cfg.model == "hf":
         tokenizer = load_tokenizer(cfg, resolve_model_files(cfg, d))
         masking = chat_masking(tokenizer) if any(r.messages for r in records) else None
@@ -4061,11 +4137,11 @@ def print_examples(cfg: RunConfig, d: Dist, records: list[Record]) -> None:
 
     if not d.is_main:
         return
-    for number, seq in enumerate(sequences, 1):
+    for label, seq in zip(labels, sequences, strict=True):
         ids, is_target = seq.ids[: cfg.seq_len + 1], [False, *seq.is_target[1 : cfg.seq_len + 1]]
         note = f", cut from {len(seq.ids)} to --seq-len {cfg.seq_len} + 1" if len(seq.ids) > len(ids) else ""
         note += "; dropped: no target left" if not any(is_target) else ""
-        say(f"--- example {number}: {len(ids)} tokens, {sum(is_target)} targets{note}")
+        say(f"--- {label}: {len(ids)} tokens, {sum(is_target)} targets{note}")
         # Each run as it reads within the whole: decoded alone, a SentencePiece run would lose its leading space.
         ends = [*itertools.accumulate(len(list(run)) for _, run in itertools.groupby(is_target))]
         texts = [decode(ids[:end]) for end in ends]
@@ -4090,7 +4166,7 @@ def tokenize_chunk(reading: Reading, tokenizer: PreTrainedTokenizerBase, items: 
     """A chunk of records as flat arrays (see Tokens), and what kinds of record it held."""
     ids, is_target, lengths, nbytes, first = [], [], [], [], []
     kinds: set[str] = set()
-    records = [reading.record(item) for item in items]
+    records = [side for item in items for side in pair_sides(reading.record(item))]
     texts = [r.text for r in records if r.text is not None]
     encoded = iter(encode_texts(texts, tokenizer) if texts else [])
     masking = chat_masking(tokenizer) if any(r.messages is not None for r in records) else None
@@ -4105,6 +4181,7 @@ def tokenize_chunk(reading: Reading, tokenizer: PreTrainedTokenizerBase, items: 
         nbytes.append(count_target_bytes(seq, tokenizer))
         first.append(next((j for j, target in enumerate(seq.is_target) if target and j), len(seq.ids)))
         kinds.add("chat" if sample.messages is not None else "completions" if sample.prompt is not None else "text")
+        kinds |= {"pairs"} if sample.rejected else set()
     return {
         "ids": np.array(ids, dtype=np.int64),
         "is_target": np.array(is_target, dtype=bool),
@@ -4114,6 +4191,12 @@ def tokenize_chunk(reading: Reading, tokenizer: PreTrainedTokenizerBase, items: 
         "kinds": kinds,
         "first": reading.first,
     }
+
+
+def pair_sides(record: Record) -> tuple[Record, ...]:
+    """A record as the sequences it trains: a preference pair's chosen side, then its rejected one (the token cache
+    holds them in turn: pair i is sequences 2i and 2i + 1)."""
+    return (record, record.rejected) if record.rejected else (record,)
 
 
 TOKENIZING: tuple[Reading, PreTrainedTokenizerBase] | None = None  # a tokenizing process's (start_tokenizing)
@@ -4201,7 +4284,7 @@ def build_token_corpus(cfg: RunConfig, sink: ArraySink, folder: Path, workers: i
     if not records:
         what = "records" if is_jsonl(cfg.corpus_file) else "non-blank lines"
         raise UsageError(f"corpus file has no {what}: {cfg.corpus_file}")
-    facts = {"records": records, "tokens": end, "fmt": first[0] if first else "text"}
+    facts = {"records": records // (1 + ("pairs" in kinds)), "tokens": end, "fmt": first[0] if first else "text"}
     return facts | {"chat": "chat" in kinds, "completions": "completions" in kinds}
 
 
@@ -4596,6 +4679,11 @@ def build_pretrained_kit(
         # Any id works for padding: padded positions are masked out of the loss by position.
         tokenizer.pad_token = tokenizer.eos_token
     records, val_records = (as_tokens(r, tokenizer, cfg.train_on_prompt) for r in (records, val_records))
+    for tokens, what in ((records, "the training data"), (val_records, "the held-out data")):
+        if len(tokens) and tokens.pairs != (cfg.objective == "dpo"):
+            raise UsageError(f"{what} holds preference records (chosen, rejected): add --objective dpo" if tokens.pairs
+                             else f"--objective dpo trains on preference records (chosen, rejected), and {what} holds "
+                             f"{describe_records(tokens.fmt)}")  # fmt: skip
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing: the reentrant kind re-runs forward inside backward, which
         # fires DDP's gradient hooks twice ("marked ready twice"), and it only backpropagates
@@ -4661,12 +4749,15 @@ def build_pretrained_kit(
             source = f"--eval-file {cfg.eval_file}" if cfg.eval_file else f"--val-fraction {cfg.val_fraction}"
             raise UsageError(f"held-out records ({source}): {e}") from None
 
-    head, head_note = loss_path(model, cfg.head_loss, d.tp, cfg.compile, cfg.seq_len + 1)
+    if cfg.objective == "dpo":
+        head, head_note = preference_path(cfg, d, model, train, val, resolve_model_files(cfg, d))
+    else:
+        head, head_note = loss_path(model, cfg.head_loss, d.tp, cfg.compile, cfg.seq_len + 1)
     attention, attention_note = packed_attention(cfg, model, d.device, lean="loss_module" in head)
     collate = collate_for(cfg, attention)
-    head["collate"] = (
-        functools.partial(lean_batch, collate, attention == "varlen") if "loss_module" in head else collate
-    )
+    if "collate" not in head:
+        head["collate"] = functools.partial(lean_batch, collate, attention == "varlen") if "loss_module" in head else (
+            collate)  # fmt: skip
     return ModelKit(
         model=model,
         train=train,
@@ -5036,6 +5127,126 @@ def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
 def head_loss_sum(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(head(hidden).float(), targets, reduction="sum")
+
+
+# ----- Preference tuning (--objective dpo): DPO's loss in the same loop, layouts, cache and checkpoints -----
+
+
+class PreferenceLoss(nn.Module):
+    """DPO's sigmoid loss summed over a micro-batch's pairs (rows 2i and 2i + 1: pair i's chosen and rejected sides):
+    -log sigmoid(beta ((log pi(c) - log pi_ref(c)) - (log pi(r) - log pi_ref(r)))), each log-probability a side's sum
+    over its completion's targets. The reference comes with the batch (full fine-tuning: reference_log_probabilities)
+    or is this model with its LoRA adapters off, one more forward without gradients. DDP wraps this module."""
+
+    def __init__(self, lm: nn.Module, beta: float, tally: RewardTally) -> None:
+        super().__init__()
+        self.lm, self.beta, self.tally = lm, beta, tally
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor,
+                reference: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        if reference is None:
+            with torch.no_grad(), self.lm.disable_adapter():
+                reference = self.sequence_log_probabilities(ids, targets, rows)
+        policy = self.sequence_log_probabilities(ids, targets, rows)
+        rewards = (self.beta * (policy - reference.to(policy.dtype))).view(-1, 2)  # pairs x (chosen, rejected)
+        self.tally.add(rewards.detach())
+        return -F.logsigmoid(rewards[:, 0] - rewards[:, 1]).sum()
+
+    def sequence_log_probabilities(self, ids: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Each row's log-likelihood of its targets: the head run at target positions only (rows, as lean_batch
+        finds them), chunk by chunk, each checkpointed (no chunk's logits kept for backward)."""
+        body, head = decoder_body(self.lm), causal_lm(self.lm).get_output_embeddings()
+        hidden = body(input_ids=ids, use_cache=False).last_hidden_state.flatten(0, 1).index_select(0, rows)
+        chunks = zip(hidden.split(LeanHeadLoss.CHUNK), targets.flatten()[rows].split(LeanHeadLoss.CHUNK), strict=True)
+        token = torch.cat([checkpoint(target_log_likelihoods, head, h, y, use_reentrant=False) for h, y in chunks])
+        return token.new_zeros(len(ids)).index_add(0, rows // ids.shape[1], token)
+
+
+def target_log_likelihoods(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = head(hidden)
+    return -F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), targets, reduction="none")
+
+
+class RewardTally:
+    """DPO's implicit rewards, beta (log pi - log pi_ref) of each side, summed on the device over a step's pairs (or an
+    evaluation's) until a step that reports reads them: means over the global batch, under TRL's names."""
+
+    def __init__(self) -> None:
+        self.sums: torch.Tensor | None = None  # chosen rewards, rejected rewards, pairs whose chosen side wins
+        self.counting = True  # off for the batches an evaluation runs only to join the others' gathers
+
+    def clear(self) -> None:
+        self.sums = None
+
+    def add(self, rewards: torch.Tensor) -> None:
+        if self.counting:
+            sums = torch.cat([rewards.sum(0), (rewards[:, 0] > rewards[:, 1]).sum(0, keepdim=True)]).double()
+            self.sums = sums if self.sums is None else self.sums + sums
+
+    def take(self, d: Dist, pairs: float, prefix: str = "") -> dict[str, float]:
+        """The means over `pairs`, every rank's sums added (a collective), and the tally cleared."""
+        sums, self.sums = [0.0] * 3 if self.sums is None else self.sums.tolist(), None
+        chosen, rejected, wins = (v / pairs for v in all_reduce_sum(d, sums))
+        return {f"{prefix}rewards/chosen": chosen, f"{prefix}rewards/rejected": rejected,
+                f"{prefix}rewards/accuracies": wins, f"{prefix}rewards/margins": chosen - rejected}  # fmt: skip
+
+
+def preference_batch(batch: list) -> tuple[torch.Tensor, ...]:
+    """A micro-batch of pairs, made on the CPU: their chosen and rejected rows in turn, the target positions as rows
+    of the flattened batch (as lean_batch's), and the reference log-probabilities where computed in advance."""
+    ids, targets = trim_padding([side for pair in batch for side in zip(pair[0], pair[1], strict=True)])
+    rows = (targets.flatten() != IGNORE_INDEX).nonzero().squeeze(1)
+    return ids, targets, rows, *([torch.cat([pair[2] for pair in batch])] if len(batch[0]) > 2 else [])
+
+
+def pairs_in(batch: tuple) -> int:
+    return len(batch[0]) // 2
+
+
+def preference_path(cfg: RunConfig, d: Dist, model: nn.Module, train: TokenRows, val: TokenRows | None,
+                    folder: Path) -> tuple[dict, str]:  # fmt: skip
+    """--objective dpo: the kit's loss, batches, count (pairs) and rewards; under full fine-tuning the reference
+    computed first. The reference, for the header."""
+    tally = RewardTally()
+    loss = PreferenceLoss(model, cfg.dpo_beta, tally)
+    reference = "the model with its adapters off"
+    if cfg.finetune == "full":
+        weights = files_digest([p for p in folder.iterdir() if p.suffix in WEIGHT_FILES or p.name == "config.json"],
+                               folder)  # fmt: skip
+        for rows in filter(None, (train, val)):
+            rows.reference = reference_log_probabilities(cfg, d, loss, rows, weights)
+        reference = "the starting weights, each pair's log-probabilities computed once (kept in --cache-dir)"
+    head = {"loss_module": loss, "loss": lambda m, *batch: m(*batch), "collate": preference_batch, "count": pairs_in,
+            "tally": tally}  # fmt: skip
+    return head, f"; DPO, beta {cfg.dpo_beta:g}, against {reference}"
+
+
+@torch.no_grad()
+def reference_log_probabilities(cfg: RunConfig, d: Dist, loss: PreferenceLoss, rows: TokenRows,
+                                weights: str) -> np.ndarray:  # fmt: skip
+    """Full fine-tuning's reference: every pair's log-probabilities under the starting weights, computed once before
+    training by the ranks together (rank r takes pairs r, r + W, ...) and kept beside the token cache, keyed by the
+    data and the weights: no frozen copy of the model takes memory while it trains."""
+    key = sha256(f"{rows.digest()}:{weights}:{loss.lm.dtype}:{choose_precision(cfg, d)}".encode())
+    path = cfg.cache_dir / f"reference-{key[:24]}.npy" if cfg.cache_dir else None
+    if path and all_reduce_sum(d, [float(path.exists())])[0] == d.world_size:  # every rank sees it: none computes
+        return np.load(path)
+    found = torch.zeros(len(rows), 2, dtype=torch.float64, device=d.device)
+    mine = torch.arange(d.rank, len(rows), d.world_size)
+    loss.eval()  # as the first step's forward would be, but for dropout
+    with autocast_for(choose_precision(cfg, d), d.device):
+        for pairs in mine.split(cfg.batch_size):
+            ids, targets, at = (t.to(d.device) for t in preference_batch([rows[i] for i in pairs.tolist()]))
+            found[pairs.to(d.device)] = loss.sequence_log_probabilities(ids, targets, at).double().view(-1, 2)
+    loss.train()
+    if d.distributed:
+        dist.all_reduce(found)  # each pair found by one rank, zeros elsewhere
+    reference = found.cpu().numpy()
+    if path and d.local_rank == 0:  # one writer a machine (a node-local --cache-dir); atomic where they share one
+        buffer = io.BytesIO()
+        np.save(buffer, reference)
+        atomic_write(path, buffer.getvalue())
+    return reference
 
 
 def choose_weights_dtype(cfg: RunConfig, d: Dist) -> torch.dtype:
@@ -6180,6 +6391,8 @@ class SideWork(Hooks):
             torch.cuda.synchronize()
         self.last = time.perf_counter()
         self.fault = due_fault(self.cfg, self.d, step, FAULTS_IN_STEP)  # a teaching aid: None in real runs
+        if self.kit.tally:  # a step's own rewards (read where it reports)
+            self.kit.tally.clear()
         if self.fault in ("kill", "raise", "hang"):
             crash_on_purpose(self.fault, self.d, step)
         self.stats.local_grads = {} if self.cfg.inspect and step <= INSPECT_STEPS else None
@@ -6274,6 +6487,8 @@ class SideWork(Hooks):
     def step_done(self, metrics: dict[str, float], tokens: int, seconds: float, model: Layout,
                   named_params: list, optimizer: torch.optim.Optimizer, progress: Progress) -> None:  # fmt: skip
         cfg, step = self.cfg, int(metrics["step"])
+        if self.kit.tally and "loss" in metrics:  # before evaluating, which counts its own
+            metrics |= self.kit.tally.take(self.d, tokens)
         val = evaluate(cfg, self.d, self.kit, model, self.precision) if evaluation_due(cfg, self.kit, step) else {}
         if cfg.sample_every and step % cfg.sample_every == 0:  # rank 0's; the others wait at the next collective
             val["samples"] = sample_now(cfg, self.kit, self.prompts, self.d.device) if self.d.is_main else []
@@ -6478,19 +6693,25 @@ def evaluate(cfg: RunConfig, d: Dist, kit: ModelKit, model: Layout, precision: s
     batches = [[val[i] for i in chunk.tolist()] for chunk in mine.split(cfg.batch_size)] if len(mine) else []
     if model.gathers_in_forward:  # rank 0 holds the most batches; the others join its gathers
         batches += [[val[0]]] * (math.ceil(math.ceil(len(read) / d.dp) / cfg.batch_size) - len(batches))
+    tally = kit.tally or RewardTally()  # (DPO's rewards; else one that nothing adds to)
+    tally.clear()
     for i, batch in enumerate(batches):
-        inputs, targets, *rest = (t.to(d.device) for t in model.local_batch(kit.collate(batch)))
+        cpu_batch = model.local_batch(kit.collate(batch))
+        tally.counting = i * cfg.batch_size < len(mine)  # a batch of this rank's own, not one that only joins in
         with autocast_for(precision, d.device):
-            loss = model.eval_loss(kit, (inputs, targets, *rest)).item()
-        if i * cfg.batch_size < len(mine):  # a batch of this rank's own, not one that only joins in
+            loss = model.eval_loss(kit, tuple(t.to(d.device) for t in cpu_batch)).item()
+        if tally.counting:
             loss_sum += loss
-            tokens += int((targets != IGNORE_INDEX).sum())
+            tokens += kit.count(cpu_batch)
             nbytes += int(val.target_bytes[mine[i * cfg.batch_size : (i + 1) * cfg.batch_size]].sum())
+    tally.counting = True
     model.after_evaluation()
     raw.train()
     share = model.loss_share  # one rank of each replica counts its examples
     loss_sum, tokens, nbytes = all_reduce_sum(d, [loss_sum * share, tokens * share, nbytes * model.example_share])
     loss = loss_sum / tokens
+    if kit.tally:  # DPO: the loss per pair, and how often the held-out chosen replies win
+        return {"val_loss": loss, **kit.tally.take(d, tokens, "val_")}
     # Perplexity is per token, so it depends on the tokenizer; bits per byte does not, and
     # compares the byte-level model with Qwen on the same text.
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_bpb": loss_sum / (math.log(2) * nbytes)}
@@ -6567,7 +6788,9 @@ class Reporter:
         self.show_bar = d.is_main and (cfg.progress == "bar" or (cfg.progress == "auto" and sys.stderr.isatty()))
         self.bar = tqdm(total=cfg.max_steps, initial=progress.step, unit="step", dynamic_ncols=True,
                         disable=not self.show_bar)  # fmt: skip
-        self.flops_per_token, self.peak = kit.flops_per_token, peak_flops(d, precision)
+        self.unit = "pairs" if cfg.objective == "dpo" else "tokens"  # what the loss averages over (kit.count)
+        self.flops_per_token = kit.flops_per_token
+        self.peak = peak_flops(d, precision) if self.unit == "tokens" else None  # MFU counts tokens
         self.window_tokens, self.window_seconds, self.window_steps = 0, 0.0, 0
         self.tokens, self.seconds = 0, 0.0  # this attempt's totals
         self.failure: OSError | None = None  # rank 0's failed metrics write, until every rank hears of it
@@ -6589,8 +6812,8 @@ class Reporter:
         speed = self.window_tokens / self.window_seconds
         record = {
             **metrics,
-            "tokens_per_sec": speed,  # real (non-padding) training tokens, all ranks together
-            "tokens_seen": self.progress.tokens_seen,
+            f"{self.unit}_per_sec": speed,  # real (non-padding) training tokens (DPO: pairs), all ranks together
+            f"{self.unit}_seen": self.progress.tokens_seen,
             "epoch": (step - 1) // self.steps_per_epoch,
             **take_times(self.window_steps),
         }
@@ -6599,7 +6822,7 @@ class Reporter:
             record["mfu"] = speed * self.flops_per_token / (self.peak * self.d.world_size)
         if not self.d.is_main:
             return
-        self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{speed:,.0f}")
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}", **{f"{self.unit[:3]}_s": f"{speed:,.0f}"})
         line = format_metrics(record, cfg.max_steps, self.d.replicas > 1)
         if not self.show_bar:
             say(line)
@@ -6721,16 +6944,21 @@ class Trackers:
 
 
 def format_metrics(r: dict[str, float], max_steps: int, averaged: bool) -> str:
+    speed = f"{r['tokens_per_sec']:,.0f} tok/s" if "tokens_per_sec" in r else f"{r['pairs_per_sec']:,.1f} pairs/s"
     line = (f"step {int(r['step']):>5}/{max_steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
-            f"grad norm {r['grad_norm']:.3f} | {r['tokens_per_sec']:,.0f} tok/s")  # fmt: skip
+            f"grad norm {r['grad_norm']:.3f} | {speed}")  # fmt: skip
+    if "rewards/accuracies" in r:
+        line += f" | rewards: accuracy {r['rewards/accuracies']:.3f}, margin {r['rewards/margins']:.4f}"
     if averaged and "allreduce_calls" in r:  # replicas average their gradients: say what that cost
         line += f" | all-reduced {r['allreduce_calls']} bucket(s), {r['allreduce_bytes'] / 2**20:.2f} MiB"
     if "mfu" in r:
         line += f" | MFU {100 * r['mfu']:.1f}%"
     if "ms_data" in r:
         line += " | ms/step " + " ".join(f"{k[3:]} {r[k]:.1f}" for k in r if k.startswith("ms_"))
-    if "val_loss" in r:
+    if "val_ppl" in r:
         line += f" | val loss {r['val_loss']:.4f}, ppl {r['val_ppl']:.2f}, {r['val_bpb']:.3f} bits/byte"
+    elif "val_loss" in r:
+        line += f" | val loss {r['val_loss']:.4f}, rewards accuracy {r['val_rewards/accuracies']:.3f}"
     return line
 
 
@@ -6925,6 +7153,7 @@ def print_summary(cfg: RunConfig, d: Dist, side: SideWork, progress: Progress, w
                   outputs: list[Path]) -> dict[str, float]:  # fmt: skip
     """The run in a table, and in numbers for the trackers."""
     history, memory, tokens, seconds = progress.history, side.memory, side.reporter.tokens, side.reporter.seconds
+    unit = side.reporter.unit
     last_val = next((h for h in reversed(history) if "val_loss" in h), None)
     speed = f"{tokens / seconds:,.0f} (this attempt's training steps)" if seconds else "-"
     train_loss = (
@@ -6936,9 +7165,9 @@ def print_summary(cfg: RunConfig, d: Dist, side: SideWork, progress: Progress, w
                       + (f", {r['peak'] / 2**30:.2f} GiB CUDA" if cuda else "") for r in memory)  # fmt: skip
     rows = [
         ("steps", f"{progress.step:,} x global batch {global_batch(cfg, d)}"),
-        ("tokens seen", f"{progress.tokens_seen:,} (real, non-padding)"),
+        (f"{unit} seen", f"{progress.tokens_seen:,}" + (" (real, non-padding)" if unit == "tokens" else "")),
         ("wall time", f"{wall_seconds:.1f} s (training steps {seconds:.1f} s)"),
-        ("tokens/s", speed),
+        (f"{unit}/s", speed),
         ("train loss", train_loss),
         ("val loss", f"{last_val['val_loss']:.4f} at step {last_val['step']}" if last_val else "- (no held-out lines)"),
         ("peak memory", peaks),
@@ -6948,12 +7177,12 @@ def print_summary(cfg: RunConfig, d: Dist, side: SideWork, progress: Progress, w
     ]
     width = max(len(k) for k, _ in rows)
     say("[summary]\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows))
-    numbers = {"steps": progress.step, "tokens_seen": progress.tokens_seen, "wall_seconds": wall_seconds,
+    numbers = {"steps": progress.step, f"{unit}_seen": progress.tokens_seen, "wall_seconds": wall_seconds,
                **{f"peak_memory_mib/rank{r['rank']}": r["peak"] / 2**20 for r in memory},
                **{f"{kind}/{what}_per_step": n for kind, sent in side.traffic.items()
                   for what, n in zip(("calls", "bytes"), sent, strict=True)}}  # fmt: skip
     if seconds:
-        numbers["tokens_per_sec"] = tokens / seconds
+        numbers[f"{unit}_per_sec"] = tokens / seconds
         if side.reporter.peak:
             numbers["mfu"] = tokens / seconds * side.reporter.flops_per_token / (side.reporter.peak * d.world_size)
     return numbers
@@ -7253,6 +7482,8 @@ def run_settings(cfg: RunConfig, d: Dist, kit: ModelKit) -> dict:
         settings["tf32"] = cfg.tf32
     if cfg.cp > 1:  # recorded where it splits: a checkpoint of a run before --cp resumes as it always did
         settings["cp"] = cfg.cp
+    if cfg.objective == "dpo":  # (as --cp: an SFT checkpoint records neither)
+        settings |= {"objective": cfg.objective, "dpo_beta": cfg.dpo_beta}
     if cfg.model == "hf":  # as loaded: the targets a list, auto resolved
         settings |= {"lora_targets": list(cfg.lora_targets), "attn_implementation":
                      causal_lm(kit.model).config._attn_implementation,

@@ -1,0 +1,346 @@
+"""Preference tuning (--objective dpo) on a tiny random Qwen2, offline: TRL's preference formats become pairs of
+sequences whose targets are the completions, bad pairs are refused with their file and line, the loss is DPO's
+sigmoid loss checked in float64 against a direct implementation, it starts at log 2, two ranks equal one process
+accumulating, every data-parallel layout trains the same adapters, a model learns a preference it can learn, and a
+killed worker of a full fine-tuning (whose reference is computed once, into the cache) resumes bit-exactly.
+
+The runs whose subject is not the launch share one launch per kind (2 ranks, one plain process)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_ok, run_cmd, torchrun_cmd
+from shared_launch import Shared, assert_one_clear_error, share
+from test_qwen_lora import NEEDS_PEFT, saved_adapter
+
+import llm_ddp_parallel_training as t
+
+pytestmark = NEEDS_PEFT
+
+LOG_2 = math.log(2)
+SEQ_LEN = 160  # the tiny tokenizer's chat template opens every conversation with Qwen's system prompt
+
+
+def preference_records(lines: list[str], n: int, seed: int = 0) -> list[dict]:
+    """Conversational pairs a tiny model can learn to tell apart: the user gives a corpus line's start; the chosen
+    reply is its true rest, the rejected one those words backwards."""
+    rng, records = random.Random(seed), []
+    for _ in range(n):
+        words = rng.choice(lines).split()
+        cut = max(1, len(words) // 3)
+        rest = words[cut:] or ["yes"]
+        records.append({"prompt": [{"role": "user", "content": " ".join(words[:cut])}],
+                        "chosen": [{"role": "assistant", "content": " ".join(rest)}],
+                        "rejected": [{"role": "assistant", "content": " ".join(reversed(rest)) + " no"}]})  # fmt: skip
+    return records
+
+
+def write_jsonl(path, records: list[dict]):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def dpo_args(model_dir, data, out_dir, *extra: str) -> list[str]:
+    return [
+        "--model", "qwen", "--model-name-or-path", str(model_dir), "--cpu", "--corpus-file", str(data),
+        "--objective", "dpo", "--output-dir", str(out_dir), "--seq-len", str(SEQ_LEN), "--sample-tokens", "4", *extra,
+    ]  # fmt: skip
+
+
+SGD = [
+    "--optimizer",
+    "sgd",
+    "--lr",
+    "0.5",
+    "--max-steps",
+    "4",
+    "--log-every",
+    "1",
+    "--val-fraction",
+    "0",
+    "--lora-dropout",
+    "0",
+]
+RESUME_FLAGS = ["--finetune", "full", "--max-steps", "6", "--save-every", "2", "--log-every", "1", "--lr", "1e-3"]
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory, corpus_lines):
+    return write_jsonl(tmp_path_factory.mktemp("pairs") / "pairs.jsonl", preference_records(corpus_lines, 160))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_qwen, pairs, tmp_path_factory) -> Shared:
+    """This module's 2-rank runs, in one launch: a run that learns, the same 4 SGD steps under each data-parallel
+    layout, full fine-tuning (its reference computed first), the run the resume test compares with, and preference
+    records given to supervised fine-tuning."""
+    root = tmp_path_factory.mktemp("dpo_two_ranks")
+    layouts = {"ddp": [], "manual": ["--ddp", "manual"], "zero1": ["--sharding", "optimizer"],
+               "fsdp": ["--sharding", "full"], "fsdp-manual": ["--sharding", "full", "--ddp", "manual"]}  # fmt: skip
+    jobs = {
+        "learn": dpo_args(
+            tiny_qwen,
+            pairs,
+            root / "learn",
+            "--max-steps",
+            "30",
+            "--lr",
+            "5e-3",
+            "--log-every",
+            "1",
+            "--eval-every",
+            "0",
+            "--metrics-file",
+            root / "learn.jsonl",
+        ),
+        **{
+            name: dpo_args(tiny_qwen, pairs, root / name, "--batch-size", "2", *SGD, *flags)
+            for name, flags in layouts.items()
+        },
+        "full": dpo_args(
+            tiny_qwen,
+            pairs,
+            root / "full",
+            "--finetune",
+            "full",
+            *SGD,
+            "--lr",
+            "1e-2",
+            "--cache-dir",
+            root / "cache",
+            "--metrics-file",
+            root / "full.jsonl",
+        ),
+        "whole": dpo_args(tiny_qwen, pairs, root / "whole", *RESUME_FLAGS),
+        "sft": dpo_args(tiny_qwen, pairs, root / "sft", "--max-steps", "2", "--objective", "sft"),  # (the last wins)
+    }
+    return share(root, jobs, nproc=2)
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_qwen, pairs, tmp_path_factory) -> Shared:
+    """The plain-process runs: two micro-batches accumulated to the 2-rank runs' global batch, and --show-examples."""
+    root = tmp_path_factory.mktemp("dpo_one_process")
+    jobs = {
+        "accumulate": dpo_args(
+            tiny_qwen, pairs, root / "accumulate", "--batch-size", "2", "--grad-accum-steps", "2", *SGD
+        ),
+        "show": dpo_args(tiny_qwen, pairs, root / "show", "--show-examples", "1"),
+    }
+    return share(root, jobs, nproc=None)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_qwen):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_qwen)
+
+
+def sides(path, tokenizer) -> list[tuple[str, str]]:
+    """Each pair's (chosen, rejected) targets, decoded, as the script tokenizes the file's records."""
+    records, fmt = t.read_records(path, "auto")
+    tokens = t.as_tokens(records, tokenizer, False)
+    assert fmt == "preference" and tokens.pairs and len(tokens) == len(records)
+    texts = []
+    for i in range(len(tokens.offsets) - 1):
+        a, b = tokens.offsets[i], tokens.offsets[i + 1]
+        texts.append(tokenizer.decode([x for x, y in zip(tokens.ids[a:b], tokens.is_target[a:b], strict=True) if y]))
+    return list(zip(texts[0::2], texts[1::2], strict=True))
+
+
+# ----- the data: TRL's forms, each side's targets, and the pairs a file cannot give -----
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def assistant(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"prompt": [user("Name a collective.")], "chosen": [assistant("all-reduce")], "rejected": [assistant("a cat")]},
+        {
+            "chosen": [user("Name a collective."), assistant("all-reduce")],
+            "rejected": [user("Name a collective."), assistant("a cat")],
+        },
+    ],
+    ids=["conversational", "implicit prompt"],
+)
+def test_a_conversational_pair_targets_each_completion_and_its_turn_end_alone(record, tokenizer, tmp_path):
+    path = write_jsonl(tmp_path / "pairs.jsonl", [record])
+    assert sides(path, tokenizer) == [("all-reduce<|im_end|>", "a cat<|im_end|>")]
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"prompt": "Name a collective:", "chosen": " all-reduce", "rejected": " the cat"},
+        {"chosen": "Name a collective: all-reduce", "rejected": "Name a collective: the cat"},
+    ],
+    ids=["standard", "implicit prompt"],
+)
+def test_a_text_pair_targets_each_completion_and_its_eos(record, tokenizer, tmp_path):
+    path = write_jsonl(tmp_path / "pairs.jsonl", [record])
+    # The implicit prompt stops before the space the two sides share, as TRL's extract_prompt does.
+    assert sides(path, tokenizer) == [(" all-reduce<|endoftext|>", " the cat<|endoftext|>")]
+
+
+@pytest.mark.parametrize(
+    ("record", "why"),
+    [
+        ({"prompt": "Q:", "chosen": " yes"}, "field 'rejected' is missing"),
+        ({"prompt": "Q:", "chosen": " yes", "rejected": ""}, "field 'rejected' is not a non-empty string"),
+        ({"prompt": "Q:", "chosen": " yes", "rejected": " yes"}, "chosen and rejected are the same"),
+        ({"chosen": "yes", "rejected": "no"}, "share no opening to be the prompt: give it as 'prompt'"),
+        ({"chosen": "Q: yes", "rejected": "Q: yes, sure"}, "ends where the other goes on"),
+        ({"prompt": "Q:", "chosen": [assistant("yes")], "rejected": [assistant("no")]}, "all strings or all lists"),
+    ],
+    ids=["missing", "empty", "identical", "no shared prefix", "one ends in the other", "mixed"],
+)
+def test_a_pair_without_a_usable_preference_is_refused_with_its_file_and_line(record, why, tmp_path):
+    good = {"prompt": "Q:", "chosen": " yes", "rejected": " no"}
+    path = write_jsonl(tmp_path / "pairs.jsonl", [good, record])
+    with pytest.raises(t.UsageError) as refused:
+        t.read_records(path, "auto")
+    assert str(refused.value).startswith(f"{path}:2: ") and why in str(refused.value)
+
+
+def test_a_pair_whose_completion_the_sequence_length_cuts_away_is_dropped_whole(tokenizer):
+    pair = t.Record(prompt="a long question " * 20, completion=" yes",
+                    rejected=t.Record(prompt="a long question " * 20, completion=" no"))  # fmt: skip
+    short = t.Record(prompt="Q:", completion=" yes", rejected=t.Record(prompt="Q:", completion=" no"))
+    rows = t.TokenRows(t.as_tokens([pair, short], tokenizer, False), 32, tokenizer, pack=False)
+    assert rows.counts == {"records": 2, "truncated": 1, "dropped": 1} and len(rows) == 1
+    ids, targets = rows[0]
+    assert ids.shape == targets.shape == (2, 32)  # the kept pair: its chosen row, then its rejected row
+
+
+@pytest.mark.parametrize(
+    ("flags", "why"),
+    [
+        (["--pack"], "keeps each side of a pair in a row of its own: leave out --pack"),
+        (["--tp", "2"], "a pair's two sides go through one forward on one rank"),
+        (["--train-on-prompt"], "compares the two completions alone"),
+        (["--head-loss", "fused"], "always take the chunked head"),
+    ],
+    ids=["pack", "tp", "train-on-prompt", "head-loss"],
+)
+def test_what_dpo_cannot_do_is_refused_before_any_rank_starts(flags, why):
+    with pytest.raises(t.UsageError, match=why):
+        t.parse_args(["--model", "hf", "--objective", "dpo", *flags])
+
+
+def test_preference_records_without_objective_dpo_end_every_rank_with_one_line(two_ranks):
+    run = two_ranks["sft"]
+    assert_one_clear_error(run, "holds preference records (chosen, rejected): add --objective dpo",
+                           two_ranks.seconds("sft"), ranks=2)  # fmt: skip
+
+
+def test_show_examples_shows_each_side_of_a_pair_with_its_targets(one_process):
+    run = one_process["show"]
+    assert_ok(run)
+    assert "--- pair 1, chosen:" in run.stdout and "--- pair 1, rejected:" in run.stdout
+    assert run.stdout.count("[[") == 2 and "<|im_end|>]]" in run.stdout
+
+
+# ----- the loss -----
+
+
+def test_the_loss_and_its_gradient_equal_a_direct_float64_dpo(tiny_qwen, tokenizer, corpus_lines, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen, dtype=torch.float64)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # off zero: the policy must differ from its reference
+            torch.nn.init.normal_(p, std=0.05)
+    records, _ = t.read_records(write_jsonl(tmp_path / "p.jsonl", preference_records(corpus_lines, 3)), "auto")
+    rows = t.TokenRows(t.as_tokens(records, tokenizer, False), SEQ_LEN, tokenizer, pack=False)
+    ids, targets, at = t.preference_batch([rows[i] for i in range(len(rows))])
+    params = [p for p in model.parameters() if p.requires_grad]
+    beta = 0.1
+
+    loss = t.PreferenceLoss(model, beta, t.RewardTally())(ids, targets, at)
+    ours = torch.autograd.grad(loss, params)
+
+    def log_likelihoods() -> torch.Tensor:  # every logit, the plain way
+        logp = torch.log_softmax(model(input_ids=ids).logits, dim=-1)
+        picked = logp.gather(2, targets.clamp(min=0)[..., None])[..., 0]
+        return (picked * (targets != t.IGNORE_INDEX)).sum(1)
+
+    with torch.no_grad(), model.disable_adapter():
+        reference = log_likelihoods()
+    margin = (log_likelihoods() - reference).view(-1, 2)
+    direct = -torch.nn.functional.logsigmoid(beta * (margin[:, 0] - margin[:, 1])).sum()
+    theirs = torch.autograd.grad(direct, params)
+    assert abs(loss.item() - direct.item()) < 1e-12 and abs(direct.item() - 3 * LOG_2) > 1e-4
+    assert max((a - b).abs().max().item() for a, b in zip(ours, theirs, strict=True)) < 1e-12
+
+
+def test_the_first_step_loss_is_log_2_and_the_rewards_are_logged_under_trls_names(two_ranks):
+    assert_ok(two_ranks["learn"])
+    first = json.loads((two_ranks.root / "learn.jsonl").read_text().splitlines()[0])
+    assert abs(first["loss"] - LOG_2) < 1e-6  # the policy is its reference: every pair's loss is log 2
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "pairs_per_sec"):
+        assert key in first, key
+    assert first["rewards/margins"] == first["rewards/chosen"] - first["rewards/rejected"] == 0.0
+
+
+def test_a_preference_a_tiny_model_can_learn_is_learned(two_ranks):
+    records = [json.loads(line) for line in (two_ranks.root / "learn.jsonl").read_text().splitlines()]
+    assert records[-1]["rewards/accuracies"] >= 0.9, records[-1]
+    assert records[-1]["val_loss"] < LOG_2 and records[-1]["val_rewards/accuracies"] >= 0.9, records[-1]
+    assert "pairs seen" in two_ranks["learn"].stdout
+
+
+def test_two_ranks_equal_one_process_accumulating_two_micro_batches(two_ranks, one_process):
+    ranks, one = two_ranks["ddp"], one_process["accumulate"]
+    assert_ok(ranks), assert_ok(one)
+    assert len(ranks.losses()) == 4 and np.allclose(ranks.losses(), one.losses(), rtol=0, atol=1e-6)
+    a, b = saved_adapter(two_ranks.out("ddp"))[1], saved_adapter(one_process.out("accumulate"))[1]
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
+
+
+@pytest.mark.parametrize("layout", ["manual", "zero1", "fsdp", "fsdp-manual"])
+def test_every_data_parallel_layout_trains_the_same_adapters(two_ranks, layout):
+    run, ddp = two_ranks[layout], two_ranks["ddp"]
+    assert_ok(run)
+    assert np.allclose(run.losses(), ddp.losses(), rtol=0, atol=1e-6)
+    a, b = saved_adapter(two_ranks.out("ddp"))[1], saved_adapter(two_ranks.out(layout))[1]
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
+
+
+def test_full_fine_tuning_computes_its_reference_once_into_the_cache(two_ranks):
+    run = two_ranks["full"]
+    assert_ok(run)
+    first = json.loads((two_ranks.root / "full.jsonl").read_text().splitlines()[0])
+    assert "against the starting weights" in run.stdout and abs(first["loss"] - LOG_2) < 1e-6
+    assert run.losses()[-1] < run.losses()[0]
+    saved = list((two_ranks.root / "cache").glob("reference-*.npy"))
+    assert len(saved) == 1 and np.load(saved[0]).shape == (160, 2)
+
+
+def test_full_fine_tuning_resumes_after_a_killed_worker_bit_exactly(tiny_qwen, pairs, two_ranks, tmp_path):
+    from safetensors.torch import load_file
+
+    assert_ok(two_ranks["whole"])
+    faulted = dpo_args(tiny_qwen, pairs, tmp_path / "faulted", *RESUME_FLAGS, "--inject-fault", "1:4")
+    run = run_cmd(torchrun_cmd(2, faulted, ["--standalone", "--max-restarts=1"]), timeout=240)
+    assert_ok(run)
+    assert "continuing from" in run.stdout and "step_00000002 (step 2" in run.stdout
+    whole = load_file(two_ranks.out("whole") / "qwen_full" / "model.safetensors")
+    resumed = load_file(tmp_path / "faulted" / "qwen_full" / "model.safetensors")
+    assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole)
