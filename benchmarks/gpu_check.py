@@ -73,6 +73,7 @@ class Config:
     policy: str = "full"  # --checkpoint-policy
     attention: str = "auto"  # --attn-implementation (auto: varlen for packed rows on CUDA)
     trainer: str = "script"  # or "trl", or "trl+liger" (SFTConfig(use_liger_kernel=True))
+    objective: str = "sft"  # --objective (dpo: on preference pairs made from the same lines, write_pairs)
 
 
 # The goal's questions first (issue 48: ours against TRL + Liger, checkpointing off and on; MFU at 0.5B and 1.5B
@@ -100,6 +101,7 @@ CONFIGS = (
     Config("TRL SFTTrainer + Liger, gradient checkpointing", **TRL, checkpointing=True, trainer="trl+liger"),
     Config("0.5B full", "0.5B", "full", pack=False),
     Config("1.5B full packed", "1.5B", "full", pack=True),
+    Config("0.5B LoRA DPO (pairs/s)", "0.5B", "lora", pack=False, objective="dpo"),
     Config("TRL SFTTrainer, 0.5B LoRA's data and steps", **TRL, trainer="trl"),
     Config("TRL SFTTrainer, gradient checkpointing", **TRL, checkpointing=True, trainer="trl"),
     Config(VARLEN, "0.5B", "lora", pack=True),
@@ -123,7 +125,7 @@ class Sizes:
     budget_s: float  # all of them: a launch that would start past it is skipped (the issue's 8 minutes, less margin)
 
 
-GPU_SIZES = Sizes(  # 15 rows of 25-40 s each on an H200 (its launches of 2026-12-04, at 40 steps): 30 steps
+GPU_SIZES = Sizes(  # 16 rows, the first 15 of 25-40 s each on an H200 (its launches of 2026-12-04, at 40 steps)
     batch_size=16, seq_len=512, steps=30, log_every=5, warmup=10, examples=2000, timeout_s=240, budget_s=440
 )
 MIN_LAUNCH_S = 60  # the H200's launches took 25-40 s (2026-12-04): with less left, a row would be cut off
@@ -140,6 +142,27 @@ def environment() -> dict:
 def write_corpus(path: Path, lines: list[str], count: int) -> Path:
     rng = random.Random(0)
     path.write_text("".join(" ".join(rng.sample(lines, rng.randint(1, 16))) + "\n" for _ in range(count)))
+    return path
+
+
+def write_pairs(path: Path, lines: list[str], count: int, most: int) -> Path:
+    """Preference pairs for the DPO row: a user turn of up to `most` lines' start, the chosen reply their true rest,
+    the rejected one those words backwards (a short system turn: the template's default one fills --smoke's rows)."""
+    rng, records = random.Random(0), []
+    for _ in range(count):
+        words = " ".join(rng.sample(lines, rng.randint(1, most))).split()
+        cut = max(1, len(words) // 3)
+        records.append(
+            {
+                "prompt": [
+                    {"role": "system", "content": "Answer."},
+                    {"role": "user", "content": " ".join(words[:cut])},
+                ],
+                "chosen": [{"role": "assistant", "content": " ".join(words[cut:]) or "yes"}],
+                "rejected": [{"role": "assistant", "content": " ".join(reversed(words[cut:])) + " no"}],
+            }
+        )
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
 
 
@@ -219,12 +242,15 @@ def in_process(args: list[str], log: Path) -> tuple[int, str]:
 def script_args(c: Config, sizes: Sizes, model: Path, corpus: Path, run: Path, smoke: bool) -> list[str]:
     hardware = (["--cpu", "--backend", "gloo", "--precision", "fp32", "--dtype", "float32"] if smoke
                 else ["--backend", "nccl", "--precision", "bf16", "--dtype", "bfloat16"])  # fmt: skip
+    # DPO: its pairs beside the corpus; its head is always the chunked one (--head-loss is refused with it)
+    objective = ["--objective", "dpo"] if c.objective == "dpo" else ["--head-loss", c.head_loss]
+    corpus = corpus.with_name("pairs.jsonl") if c.objective == "dpo" else corpus
     return [str(SCRIPT), "--model", "qwen", "--model-name-or-path", str(model), "--corpus-file", str(corpus),
             "--finetune", c.finetune, "--pack" if c.pack else "--no-pack", "--seq-len", str(sizes.seq_len),
             "--batch-size", str(sizes.batch_size), "--max-steps", str(sizes.steps), "--log-every",
             str(sizes.log_every), "--val-fraction", "0", "--cache-dir", "none", "--sample-tokens", "1",
             "--progress", "plain", "--metrics-file", str(run / "metrics.jsonl"), "--output-dir", str(run),
-            "--head-loss", c.head_loss, *hardware, "--compile" if c.compile and not smoke else "--no-compile",
+            *objective, *hardware, "--compile" if c.compile and not smoke else "--no-compile",
             "--attn-implementation", c.attention,
             *(["--gradient-checkpointing", "--checkpoint-policy", c.policy] if c.checkpointing else [])]  # fmt: skip
 
@@ -232,7 +258,8 @@ def script_args(c: Config, sizes: Sizes, model: Path, corpus: Path, run: Path, s
 def medians(records: list[dict], warmup: int) -> dict:
     """Medians of the windows after the warm-up steps (the last window alone when the run is that short)."""
     kept = [r for r in records if r["step"] > warmup] or records[-1:]
-    result = {"tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in kept)}
+    speed = "tokens_per_sec" if "tokens_per_sec" in kept[0] else "pairs_per_sec"  # (DPO counts pairs)
+    result = {speed: statistics.median(r[speed] for r in kept)}
     if all("mfu" in r for r in kept):
         result["mfu"] = statistics.median(r["mfu"] for r in kept)
     return result
@@ -353,7 +380,8 @@ def print_table(records: list[dict], smoke: bool) -> None:
             print(f"| {r['name']} | {r['status']}: {r['error']} | | | | {wall} |")
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-"
-        print(f"| {r['name']} | {r['tokens_per_sec']:,.0f} | {mfu} | {size(r.get('peak_bytes'))} | "
+        speed = f"{r['tokens_per_sec']:,.0f}" if "tokens_per_sec" in r else f"{r['pairs_per_sec']:,.1f} pairs/s"
+        print(f"| {r['name']} | {speed} | {mfu} | {size(r.get('peak_bytes'))} | "
               f"{size(r.get('predicted_state_bytes'))} | {wall} |")  # fmt: skip
 
 
@@ -399,6 +427,7 @@ def main() -> None:
     (out / "logs").mkdir(parents=True, exist_ok=True)
     lines = list(script.text_lines(script.DEFAULT_CORPUS))
     corpus = write_corpus(out / "corpus.txt", lines, sizes.examples)
+    write_pairs(out / "pairs.jsonl", lines, sizes.examples, most=1 if a.smoke else 8)
     models = build_models(out / "models", TOY_SHAPES if a.smoke else SHAPES, lines, a.smoke)
     records = []
     for c in CONFIGS:

@@ -38,12 +38,14 @@ def test_smoke_run_prints_the_table_and_writes_a_record_per_configuration(tmp_pa
             assert (r["status"] == "ok" and first) or (r["status"] == "skipped" and r["error"] in reasons), r
         else:
             assert r["status"] == "ok", r
-            assert r["tokens_per_sec"] > 0 and r["peak_bytes"] > 0 and r["predicted_state_bytes"] > 0
+            speed = r["tokens_per_sec"] if c.objective == "sft" else r["pairs_per_sec"]
+            assert speed > 0 and r["peak_bytes"] > 0 and r["predicted_state_bytes"] > 0
             assert r["torch"] and r["transformers"] and r["device"] == "CPU"
     heads = {(c.finetune, c.head_loss) for c in gpu_check.CONFIGS if c.trainer == "script"}
     assert {"fused", "chunked", "full"} <= {head for _, head in heads} and ("full", "chunked") in heads
     assert {c.checkpointing for c in gpu_check.CONFIGS if c.trainer != "script"} == {False, True}
     assert {c.policy for c in gpu_check.CONFIGS if c.checkpointing and c.trainer == "script"} == {"full", "selective"}
+    assert "pairs/s |" in run.stdout  # the DPO row, on preference pairs
     # On a CPU --attn-implementation auto is sdpa: the varlen row runs the masked row's path, and its loss is equal.
     assert "Varlen against masked attention, step 1's loss on one batch" in summary["attention"]
     assert summary["attention"].endswith(": agree).")
