@@ -534,7 +534,7 @@ class Lines:
 
 def packed_stream(lines: list[str]) -> bytes:
     """The lines as one byte stream, each framed by newlines (b"\n" + line + b"\n", sharing them)."""
-    return b"\n" + b"\n".join(line.encode("utf-8") for line in lines) + b"\n"
+    return b"\n" + b"".join(line.encode("utf-8") + b"\n" for line in lines)  # (no lines: one newline, no line)
 
 
 class Pieces:
@@ -3012,6 +3012,7 @@ def resolved_settings(cfg: RunConfig) -> dict:
     settings = {}
     skip = other | derived_settings(cfg) | {"nproc"} | ({"max_steps"} if cfg.max_steps == 0 else set())
     skip |= {"val_fraction"} if cfg.eval_file else set()  # (--eval-file: nothing held out, and the two are refused)
+    skip |= {"head_loss"} if cfg.objective == "dpo" else {"dpo_beta"}  # (each refused with the other objective)
     for name, value in ((f.name, getattr(cfg, f.name)) for f in fields(cfg) if f.name not in skip):
         if name == "model_name_or_path" and Path(value).expanduser().exists():  # a local folder, not a hub name
             value = Path(value).expanduser()
@@ -3037,6 +3038,8 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     if args.chat and args.merge_lora is not None:
         raise UsageError("--chat trains and merges nothing: merge first, then --chat OUTPUT_DIR/merged")
     settle_defaults(args, typed)
+    if args.objective == "dpo" and "--lora-dropout" not in typed:  # TRL's disable_dropout: the policy's log-
+        args.lora_dropout = 0.0  # probabilities as free of noise as its reference's
     if args.cache_dir is None:  # where datasets and transformers keep theirs: $XDG_CACHE_HOME, else ~/.cache
         args.cache_dir = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llm_ddp_parallel_training"
     else:
@@ -3056,6 +3059,8 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         raise UsageError(why)
     if cfg.objective == "dpo" and (why := cannot_prefer(cfg, typed)):
         raise UsageError(why)
+    if cfg.objective != "dpo" and "--dpo-beta" in typed:
+        raise UsageError("--dpo-beta is DPO's: add --objective dpo, or leave it out")
     if missing := [n for n in cfg.report_to if n in TRACKERS and importlib.util.find_spec(n) is None]:
         raise UsageError(f"--report-to {missing[0]} needs its library: pip install {' '.join(missing)}")
     if cfg.chat and not cfg.chat.exists():
@@ -3088,8 +3093,8 @@ def cannot_prefer(cfg: RunConfig, typed: set[str]) -> str | None:
         return "--objective dpo keeps each side of a pair in a row of its own: leave out --pack"
     if cfg.train_on_prompt:
         return "--objective dpo compares the two completions alone: leave out --train-on-prompt"
-    if "--head-loss" in typed:
-        return "--head-loss: DPO's per-sequence log-probabilities always take the chunked head: leave it out"
+    if "--head-loss" in typed and cfg.head_loss != "chunked":
+        return f"--head-loss {cfg.head_loss}: DPO's per-sequence log-probabilities take the chunked head: leave it out"
     return None
 
 
@@ -3749,7 +3754,8 @@ def tokenize_record(
         ends = itertools.accumulate(len(text) for text, _ in segments)
         targets = [(end - len(text), end) for (text, target), end in zip(segments, ends, strict=True) if target]
         if record.prompt_turns:  # a preference pair's side: the completion's replies alone are targets
-            opening = render_chat(record.messages[: record.prompt_turns], tokenizer, prompt=True)
+            prompt = record.messages[: record.prompt_turns]  # the assistant's turn opens it, unless it ends with one
+            opening = render_chat(prompt, tokenizer, prompt=prompt[-1][0] != "assistant")
             if not full.startswith(opening):
                 raise UsageError("the chat template renders the prompt otherwise inside the conversation: the "
                                  "completion cannot be told from it")  # fmt: skip
@@ -4679,11 +4685,6 @@ def build_pretrained_kit(
         # Any id works for padding: padded positions are masked out of the loss by position.
         tokenizer.pad_token = tokenizer.eos_token
     records, val_records = (as_tokens(r, tokenizer, cfg.train_on_prompt) for r in (records, val_records))
-    for tokens, what in ((records, "the training data"), (val_records, "the held-out data")):
-        if len(tokens) and tokens.pairs != (cfg.objective == "dpo"):
-            raise UsageError(f"{what} holds preference records (chosen, rejected): add --objective dpo" if tokens.pairs
-                             else f"--objective dpo trains on preference records (chosen, rejected), and {what} holds "
-                             f"{describe_records(tokens.fmt)}")  # fmt: skip
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing: the reentrant kind re-runs forward inside backward, which
         # fires DDP's gradient hooks twice ("marked ready twice"), and it only backpropagates
@@ -5049,8 +5050,8 @@ def loss_path(model: nn.Module, head_loss: str, tp: int, compiled: bool, longest
     model's own forward (full) where asked, or where a model rescales its logits (Gemma's soft-capping, Cohere's
     logit scale). Under --tp the head's weight is a DTensor slice: chunked. The kit's loss; the choice and why, for
     the header."""
-    config, head = causal_lm(model).config, causal_lm(model).get_output_embeddings()
-    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None) not in (None, 1.0):
+    head = causal_lm(model).get_output_embeddings()
+    if rescales_logits(model):
         head_loss, why = "full", " (the model rescales its logits)" if head_loss != "full" else ""
     elif head_loss == "fused" and (tp > 1 or type(head) is not nn.Linear or head.bias is not None):
         head_loss, why = "chunked", " (the head is not a plain Linear here)" if tp == 1 else " (--tp slices the head)"
@@ -5064,6 +5065,14 @@ def loss_path(model: nn.Module, head_loss: str, tp: int, compiled: bool, longest
         "loss_module": LeanHeadLoss(model, fused=head_loss == "fused", compiled=compiled, longest=longest),
         "loss": lambda m, ids, targets, *rest: m(ids, targets, *rest),
     }, note
+
+
+def rescales_logits(model: nn.Module) -> bool:
+    """Whether the model's forward changes what its output layer gives (Gemma 2's soft-capping, Cohere's logit scale,
+    Granite's logits scaling): a head run alone would not give its logits."""
+    config = causal_lm(model).config
+    scales = (getattr(config, k, None) for k in ("logit_scale", "logits_scaling"))
+    return bool(getattr(config, "final_logit_softcapping", None)) or any(x not in (None, 1.0) for x in scales)
 
 
 def lean_batch(collate: Callable, bounds: bool, batch: list) -> tuple[torch.Tensor, ...]:
@@ -5135,18 +5144,14 @@ def head_loss_sum(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) 
 class PreferenceLoss(nn.Module):
     """DPO's sigmoid loss summed over a micro-batch's pairs (rows 2i and 2i + 1: pair i's chosen and rejected sides):
     -log sigmoid(beta ((log pi(c) - log pi_ref(c)) - (log pi(r) - log pi_ref(r)))), each log-probability a side's sum
-    over its completion's targets. The reference comes with the batch (full fine-tuning: reference_log_probabilities)
-    or is this model with its LoRA adapters off, one more forward without gradients. DDP wraps this module."""
+    over its completion's targets; the reference's come with the batch (reference_log_probabilities). DDP wraps it."""
 
     def __init__(self, lm: nn.Module, beta: float, tally: RewardTally) -> None:
         super().__init__()
         self.lm, self.beta, self.tally = lm, beta, tally
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor,
-                reference: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        if reference is None:
-            with torch.no_grad(), self.lm.disable_adapter():
-                reference = self.sequence_log_probabilities(ids, targets, rows)
+                reference: torch.Tensor) -> torch.Tensor:  # fmt: skip
         policy = self.sequence_log_probabilities(ids, targets, rows)
         rewards = (self.beta * (policy - reference.to(policy.dtype))).view(-1, 2)  # pairs x (chosen, rejected)
         self.tally.add(rewards.detach())
@@ -5193,7 +5198,7 @@ class RewardTally:
 
 def preference_batch(batch: list) -> tuple[torch.Tensor, ...]:
     """A micro-batch of pairs, made on the CPU: their chosen and rejected rows in turn, the target positions as rows
-    of the flattened batch (as lean_batch's), and the reference log-probabilities where computed in advance."""
+    of the flattened batch (as lean_batch's), and their reference log-probabilities once found."""
     ids, targets = trim_padding([side for pair in batch for side in zip(pair[0], pair[1], strict=True)])
     rows = (targets.flatten() != IGNORE_INDEX).nonzero().squeeze(1)
     return ids, targets, rows, *([torch.cat([pair[2] for pair in batch])] if len(batch[0]) > 2 else [])
@@ -5205,47 +5210,59 @@ def pairs_in(batch: tuple) -> int:
 
 def preference_path(cfg: RunConfig, d: Dist, model: nn.Module, train: TokenRows, val: TokenRows | None,
                     folder: Path) -> tuple[dict, str]:  # fmt: skip
-    """--objective dpo: the kit's loss, batches, count (pairs) and rewards; under full fine-tuning the reference
-    computed first. The reference, for the header."""
+    """--objective dpo: the kit's loss, batches, count (pairs) and rewards, each pair's reference found first. The
+    note for the header."""
+    if rescales_logits(model):
+        raise UsageError("--objective dpo runs the output layer alone at the completions' positions, and this model "
+                         "rescales its logits (soft-capping or a logit scale): not supported yet")  # fmt: skip
     tally = RewardTally()
     loss = PreferenceLoss(model, cfg.dpo_beta, tally)
-    reference = "the model with its adapters off"
-    if cfg.finetune == "full":
-        weights = files_digest([p for p in folder.iterdir() if p.suffix in WEIGHT_FILES or p.name == "config.json"],
-                               folder)  # fmt: skip
-        for rows in filter(None, (train, val)):
-            rows.reference = reference_log_probabilities(cfg, d, loss, rows, weights)
-        reference = "the starting weights, each pair's log-probabilities computed once (kept in --cache-dir)"
+    for rows in filter(None, (train, val)):
+        rows.reference = reference_log_probabilities(cfg, d, loss, rows, weights_key(folder) if cfg.cache_dir else "")
     head = {"loss_module": loss, "loss": lambda m, *batch: m(*batch), "collate": preference_batch, "count": pairs_in,
             "tally": tally}  # fmt: skip
-    return head, f"; DPO, beta {cfg.dpo_beta:g}, against {reference}"
+    return head, f"; DPO, beta {cfg.dpo_beta:g}, against the starting weights (found once, before training)"
+
+
+def weights_key(folder: Path) -> str:
+    """What the starting weights are, cheaply: each weight file's name, size and time (a hub snapshot's files link to
+    blobs named by their content's hash), not a read of gigabytes by every rank at every launch."""
+    files = sorted(p for p in folder.iterdir() if p.suffix in WEIGHT_FILES or p.name == "config.json")
+    return sha256("".join(f"{p.name}:{p.resolve().name}:{p.stat().st_size}:{p.stat().st_mtime_ns}\n"
+                          for p in files).encode())  # fmt: skip
 
 
 @torch.no_grad()
 def reference_log_probabilities(cfg: RunConfig, d: Dist, loss: PreferenceLoss, rows: TokenRows,
                                 weights: str) -> np.ndarray:  # fmt: skip
-    """Full fine-tuning's reference: every pair's log-probabilities under the starting weights, computed once before
-    training by the ranks together (rank r takes pairs r, r + W, ...) and kept beside the token cache, keyed by the
-    data and the weights: no frozen copy of the model takes memory while it trains."""
-    key = sha256(f"{rows.digest()}:{weights}:{loss.lm.dtype}:{choose_precision(cfg, d)}".encode())
-    path = cfg.cache_dir / f"reference-{key[:24]}.npy" if cfg.cache_dir else None
+    """DPO's reference: every pair's two log-probabilities under the starting weights (under LoRA, whose adapters
+    start at zero, the base model's), found once before training by the ranks together (rank r takes pairs r, r + W,
+    ...) and kept beside the token cache, keyed by the data, the weights and how they compute: neither a frozen copy
+    of the model nor a second forward a step."""
+    started, precision = time.perf_counter(), choose_precision(cfg, d)
+    how = f"{rows.digest()}:{weights}:{loss.lm.dtype}:{precision}:{causal_lm(loss.lm).config._attn_implementation}"
+    path = cfg.cache_dir / f"reference-{sha256(how.encode())[:24]}.npy" if cfg.cache_dir else None
     if path and all_reduce_sum(d, [float(path.exists())])[0] == d.world_size:  # every rank sees it: none computes
+        log(d, f"[dpo] the reference log-probabilities of {len(rows):,} pairs: reused {path}")
         return np.load(path)
     found = torch.zeros(len(rows), 2, dtype=torch.float64, device=d.device)
+    # No gradients, no activations kept: 4 micro-batches' pairs at a time, of like lengths (little padding).
+    longest = torch.from_numpy(rows.lengths.reshape(-1, 2).max(1))
     mine = torch.arange(d.rank, len(rows), d.world_size)
-    loss.eval()  # as the first step's forward would be, but for dropout
-    with autocast_for(choose_precision(cfg, d), d.device):
-        for pairs in mine.split(cfg.batch_size):
+    loss.eval()  # as the first step's forward, but for dropout
+    with autocast_for(precision, d.device):
+        for pairs in mine[longest[mine].argsort(stable=True)].split(4 * cfg.batch_size):
             ids, targets, at = (t.to(d.device) for t in preference_batch([rows[i] for i in pairs.tolist()]))
             found[pairs.to(d.device)] = loss.sequence_log_probabilities(ids, targets, at).double().view(-1, 2)
     loss.train()
     if d.distributed:
         dist.all_reduce(found)  # each pair found by one rank, zeros elsewhere
-    reference = found.cpu().numpy()
-    if path and d.local_rank == 0:  # one writer a machine (a node-local --cache-dir); atomic where they share one
-        buffer = io.BytesIO()
+    reference, buffer = found.cpu().numpy(), io.BytesIO()
+    if path:  # rank 0 writes (a node-local --cache-dir elsewhere: every rank finds them again next time)
         np.save(buffer, reference)
-        atomic_write(path, buffer.getvalue())
+        rank0_then_share(d, f"could not write {path}", lambda: atomic_write(path, buffer.getvalue()))
+    log(d, f"[dpo] the reference log-probabilities of {len(rows):,} pairs: found by {d.world_size} rank(s) in "
+           f"{time.perf_counter() - started:.1f} s" + (f", kept in {path}" if path else ""))  # fmt: skip
     return reference
 
 
@@ -5892,7 +5909,7 @@ def report_inspect_step(cfg: RunConfig, d: Dist, step: int, stats: CommStats, se
                         share: float) -> None:  # fmt: skip
     """The first steps through the eyes of each rank: its loss, its tokens, its gradient. (Under
     model splitting one rank of each replica counts its loss: share 1, the others 0.)"""
-    local_tokens = sum(micro_tokens)
+    local_tokens, unit = sum(micro_tokens), "pairs" if cfg.objective == "dpo" else "tokens"  # (what kit.count counts)
     # Both normalizations of this very step: the exact global mean, and the mean of per-rank means.
     loss_total, means_total, global_tokens = all_reduce_sum(d, [local_loss_sum, local_loss_sum / local_tokens,
                                                                 local_tokens * share])  # fmt: skip
@@ -5900,7 +5917,7 @@ def report_inspect_step(cfg: RunConfig, d: Dist, step: int, stats: CommStats, se
     if step == 1 and bucketed:
         log_buckets(d, stats, "[inspect] gradient buckets at step 1 (a bucket is all-reduced as soon as all its "
                               "gradients are ready):")  # fmt: skip
-    local = f"step {step}: local loss {local_loss_sum / local_tokens:.4f} over {local_tokens} tokens " \
+    local = f"step {step}: local loss {local_loss_sum / local_tokens:.4f} over {local_tokens} {unit} " \
             f"({'+'.join(map(str, micro_tokens))} in {len(micro_tokens)} micro-step(s))"  # fmt: skip
     if not share:  # a tensor slice that is not its group's first, or a pipeline stage before the last
         local = f"step {step}: its replica's {local_tokens} tokens pass through here; another rank counts their loss"
@@ -5909,7 +5926,7 @@ def report_inspect_step(cfg: RunConfig, d: Dist, step: int, stats: CommStats, se
     if not sent[0] and d.tp * d.pp > 1:  # one replica: no gradient to average, only the split's own traffic
         moved = "all-reduced no gradient bucket, its split's own being in the summary's 'collectives'"
     log(d, f"[inspect] step {step}: global-token mean loss {loss_total / global_tokens:.4f} over "
-           f"{int(global_tokens)} tokens; mean of per-rank means {means_total / d.replicas:.4f}; this step "
+           f"{int(global_tokens)} {unit}; mean of per-rank means {means_total / d.replicas:.4f}; this step "
            f"{moved} ({cfg.loss_normalization} normalization is training)")  # fmt: skip
 
 
@@ -6660,7 +6677,8 @@ def announce_run(cfg: RunConfig, d: Dist, sampler: DistributedSampler, steps_per
     log(d, f"[run] {len(sampler)} examples per {each} per epoch = {steps_per_epoch} {steps} per epoch")
     if cfg.ddp == "manual" and (why := layout_refusal(replace(cfg, ddp="torch"))):
         log(d, f"[run] --ddp manual: only the from-scratch classes run this ({why})")
-    log(d, f"[run] gradient sync: {describe_gradient_sync(cfg, d)}; loss: {cfg.loss_normalization}; optimizer: "
+    over = " over pairs (DPO)" if cfg.objective == "dpo" else ""  # its "tokens" are pairs: kit.count
+    log(d, f"[run] gradient sync: {describe_gradient_sync(cfg, d)}; loss: {cfg.loss_normalization}{over}; optimizer: "
            f"{cfg.optimizer}, lr {cfg.lr:g} (warmup {warmup_steps(cfg)}, cosine to {cfg.min_lr:g}); "
            f"precision {precision}")  # fmt: skip
     if cfg.sharding != "none" and not d.distributed:
@@ -6789,6 +6807,7 @@ class Reporter:
         self.bar = tqdm(total=cfg.max_steps, initial=progress.step, unit="step", dynamic_ncols=True,
                         disable=not self.show_bar)  # fmt: skip
         self.unit = "pairs" if cfg.objective == "dpo" else "tokens"  # what the loss averages over (kit.count)
+        self.places = 1 if self.unit == "pairs" else 0  # a pair is hundreds of tokens: a CPU trains a few a second
         self.flops_per_token = kit.flops_per_token
         self.peak = peak_flops(d, precision) if self.unit == "tokens" else None  # MFU counts tokens
         self.window_tokens, self.window_seconds, self.window_steps = 0, 0.0, 0
@@ -6822,7 +6841,7 @@ class Reporter:
             record["mfu"] = speed * self.flops_per_token / (self.peak * self.d.world_size)
         if not self.d.is_main:
             return
-        self.bar.set_postfix(loss=f"{record['loss']:.4f}", **{f"{self.unit[:3]}_s": f"{speed:,.0f}"})
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}", **{f"{self.unit}_s": f"{speed:,.{self.places}f}"})
         line = format_metrics(record, cfg.max_steps, self.d.replicas > 1)
         if not self.show_bar:
             say(line)
@@ -7155,7 +7174,7 @@ def print_summary(cfg: RunConfig, d: Dist, side: SideWork, progress: Progress, w
     history, memory, tokens, seconds = progress.history, side.memory, side.reporter.tokens, side.reporter.seconds
     unit = side.reporter.unit
     last_val = next((h for h in reversed(history) if "val_loss" in h), None)
-    speed = f"{tokens / seconds:,.0f} (this attempt's training steps)" if seconds else "-"
+    speed = f"{tokens / seconds:,.{side.reporter.places}f} (this attempt's training steps)" if seconds else "-"
     train_loss = (
         f"{history[0]['loss']:.4f} at step {history[0]['step']} -> {history[-1]['loss']:.4f}" if history else "-"
     )
@@ -7821,6 +7840,11 @@ def run(cfg: RunConfig, d: Dist, started: float) -> None:
     else:
         held = held_out(len(corpus), cfg.val_fraction, cfg.seed)
         training, val = corpus.subset(~held), corpus.subset(held)
+    for data, what in ((training, "the training data"), (val, "the held-out data")):
+        if len(data) and (data.fmt == "preference") != (cfg.objective == "dpo"):  # before the model is loaded
+            raise UsageError(f"{what} holds preference records (chosen, rejected): add --objective dpo" if cfg.objective
+                             == "sft" else f"--objective dpo trains on preference records (chosen, rejected), and "
+                             f"{what} holds {describe_records(data.fmt)}")  # fmt: skip
     kit = (build_pretrained_kit if cfg.model == "hf" else tiny_kit)(cfg, d, training, val)
     # Initialisation used --seed alone: the replicas start identical. Dropout must not: W ranks
     # dropping the same units of their different examples is not one process with a W-times batch.

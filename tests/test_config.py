@@ -80,6 +80,7 @@ def test_without_pyyaml_config_names_the_package_to_install(tmp_path, monkeypatc
         ["--cpu", "--max-steps", "7", "--no-pack", "--inject-fault", "1:3:nan", "--cache-dir", "none", "--plot"],
         ["--model", "hf", "--lora-targets", "q_proj,k_proj", "--merge-lora", "--metrics-file", "m.jsonl"],
         ["--epochs", "2", "--pp", "2", "--ddp", "manual", "--trace-steps", "3"],
+        ["--model", "hf", "--objective", "dpo", "--dpo-beta", "0.2"],  # (its --head-loss unwritten: refused with it)
     ],
 )
 def test_every_setting_written_to_config_yaml_reads_back_as_the_same_settings(tmp_path, argv):

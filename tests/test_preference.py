@@ -53,20 +53,7 @@ def dpo_args(model_dir, data, out_dir, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-SGD = [
-    "--optimizer",
-    "sgd",
-    "--lr",
-    "0.5",
-    "--max-steps",
-    "4",
-    "--log-every",
-    "1",
-    "--val-fraction",
-    "0",
-    "--lora-dropout",
-    "0",
-]
+SGD = ["--optimizer", "sgd", "--lr", "0.5", "--max-steps", "4", "--log-every", "1", "--val-fraction", "0"]
 RESUME_FLAGS = ["--finetune", "full", "--max-steps", "6", "--save-every", "2", "--log-every", "1", "--lr", "1e-3"]
 
 
@@ -76,62 +63,44 @@ def pairs(tmp_path_factory, corpus_lines):
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tiny_qwen, pairs, tmp_path_factory) -> Shared:
+def two_ranks(tiny_qwen, pairs, corpus_lines, tmp_path_factory) -> Shared:
     """This module's 2-rank runs, in one launch: a run that learns, the same 4 SGD steps under each data-parallel
-    layout, full fine-tuning (its reference computed first), the run the resume test compares with, and preference
-    records given to supervised fine-tuning."""
+    layout, full fine-tuning (twice: the second reads the reference the first found), the run the resume test compares
+    with, preference records given to supervised fine-tuning, and chat records given to DPO."""
     root = tmp_path_factory.mktemp("dpo_two_ranks")
+    chat = write_jsonl(root / "chat.jsonl", [{"messages": [user(line), assistant(line)]} for line in corpus_lines])
     layouts = {"ddp": [], "manual": ["--ddp", "manual"], "zero1": ["--sharding", "optimizer"],
                "fsdp": ["--sharding", "full"], "fsdp-manual": ["--sharding", "full", "--ddp", "manual"]}  # fmt: skip
+    learn = ["--max-steps", "30", "--lr", "5e-3", "--log-every", "1", "--eval-every", "0"]
+    full = ["--finetune", "full", *SGD, "--lr", "1e-2", "--cache-dir", root / "cache"]
     jobs = {
-        "learn": dpo_args(
-            tiny_qwen,
-            pairs,
-            root / "learn",
-            "--max-steps",
-            "30",
-            "--lr",
-            "5e-3",
-            "--log-every",
-            "1",
-            "--eval-every",
-            "0",
-            "--metrics-file",
-            root / "learn.jsonl",
-        ),
+        "learn": dpo_args(tiny_qwen, pairs, root / "learn", *learn, "--metrics-file", root / "learn.jsonl"),
         **{
             name: dpo_args(tiny_qwen, pairs, root / name, "--batch-size", "2", *SGD, *flags)
             for name, flags in layouts.items()
         },
-        "full": dpo_args(
-            tiny_qwen,
-            pairs,
-            root / "full",
-            "--finetune",
-            "full",
-            *SGD,
-            "--lr",
-            "1e-2",
-            "--cache-dir",
-            root / "cache",
-            "--metrics-file",
-            root / "full.jsonl",
-        ),
+        "full": dpo_args(tiny_qwen, pairs, root / "full", *full, "--metrics-file", root / "full.jsonl"),
+        "full again": dpo_args(tiny_qwen, pairs, root / "full again", *full),
         "whole": dpo_args(tiny_qwen, pairs, root / "whole", *RESUME_FLAGS),
         "sft": dpo_args(tiny_qwen, pairs, root / "sft", "--max-steps", "2", "--objective", "sft"),  # (the last wins)
+        "dpo on chat": dpo_args(tiny_qwen, chat, root / "dpo on chat", "--max-steps", "2"),
     }
     return share(root, jobs, nproc=2)
 
 
 @pytest.fixture(scope="module")
-def one_process(tiny_qwen, pairs, tmp_path_factory) -> Shared:
-    """The plain-process runs: two micro-batches accumulated to the 2-rank runs' global batch, and --show-examples."""
+def one_process(tiny_qwen, pairs, corpus_lines, tmp_path_factory) -> Shared:
+    """The plain-process runs: two micro-batches accumulated to the 2-rank runs' global batch, --show-examples, and a
+    model whose forward rescales its logits (Gemma 2's soft-capping)."""
+    from tiny_families import build_tiny_family
+
     root = tmp_path_factory.mktemp("dpo_one_process")
+    gemma2 = build_tiny_family("gemma2", root / "gemma2", corpus_lines)
+    accumulate = ["--batch-size", "2", "--grad-accum-steps", "2", *SGD]
     jobs = {
-        "accumulate": dpo_args(
-            tiny_qwen, pairs, root / "accumulate", "--batch-size", "2", "--grad-accum-steps", "2", *SGD
-        ),
+        "accumulate": dpo_args(tiny_qwen, pairs, root / "accumulate", *accumulate),
         "show": dpo_args(tiny_qwen, pairs, root / "show", "--show-examples", "1"),
+        "gemma2": dpo_args(gemma2, pairs, root / "gemma2", "--max-steps", "1", "--attn-implementation", "eager"),
     }
     return share(root, jobs, nproc=None)
 
@@ -182,6 +151,16 @@ def test_a_conversational_pair_targets_each_completion_and_its_turn_end_alone(re
     assert sides(path, tokenizer) == [("all-reduce<|im_end|>", "a cat<|im_end|>")]
 
 
+def test_an_implicit_prompt_that_ends_with_a_reply_leaves_the_next_user_turn_out_of_the_targets(tokenizer, tmp_path):
+    # The sides part at a user turn: the prompt ends with the assistant's reply, and (as TRL) is rendered without the
+    # assistant's opening; each side's targets are its own replies alone.
+    shared = [user("Name a collective."), assistant("all-reduce")]
+    record = {"chosen": [*shared, user("Another?"), assistant("broadcast")],
+              "rejected": [*shared, user("And a pet?"), assistant("a cat")]}  # fmt: skip
+    assert sides(write_jsonl(tmp_path / "pairs.jsonl", [record]), tokenizer) == [
+        ("broadcast<|im_end|>", "a cat<|im_end|>")]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "record",
     [
@@ -216,14 +195,20 @@ def test_a_pair_without_a_usable_preference_is_refused_with_its_file_and_line(re
     assert str(refused.value).startswith(f"{path}:2: ") and why in str(refused.value)
 
 
-def test_a_pair_whose_completion_the_sequence_length_cuts_away_is_dropped_whole(tokenizer):
-    pair = t.Record(prompt="a long question " * 20, completion=" yes",
-                    rejected=t.Record(prompt="a long question " * 20, completion=" no"))  # fmt: skip
-    short = t.Record(prompt="Q:", completion=" yes", rejected=t.Record(prompt="Q:", completion=" no"))
-    rows = t.TokenRows(t.as_tokens([pair, short], tokenizer, False), 32, tokenizer, pack=False)
-    assert rows.counts == {"records": 2, "truncated": 1, "dropped": 1} and len(rows) == 1
+def test_a_pair_is_dropped_whole_when_the_sequence_length_cuts_either_completion_away(tokenizer):
+    def pair(prompt: str, chosen: str, rejected: str) -> t.Record:
+        return t.Record(prompt=prompt, completion=chosen, rejected=t.Record(prompt=prompt, completion=rejected))
+
+    long = " and a long answer" * 8  # its side keeps its first targets within 32 tokens: cut, not dropped
+    records = [pair("a long question " * 20, " yes", " no"), pair("Q:", " yes", long), pair("Q:", long, " no"),
+               pair("Q: " + "why " * 12, " yes", "x" * 40), pair("Q:", " yes", " no")]  # fmt: skip
+    rows = t.TokenRows(t.as_tokens(records, tokenizer, False), 32, tokenizer, pack=False)
+    # The first pair's prompt fills the row; the fourth's rejected side starts past it: both dropped whole. The
+    # second and third have one side cut: kept, and counted once each.
+    assert rows.counts == {"records": 5, "truncated": 4, "dropped": 2} and len(rows) == 3
     ids, targets = rows[0]
-    assert ids.shape == targets.shape == (2, 32)  # the kept pair: its chosen row, then its rejected row
+    assert ids.shape == targets.shape == (2, 32)  # a kept pair: its chosen row, then its rejected row
+    assert all((row[1] != t.IGNORE_INDEX).any(dim=1).all() for row in (rows[i] for i in range(3)))
 
 
 @pytest.mark.parametrize(
@@ -232,7 +217,7 @@ def test_a_pair_whose_completion_the_sequence_length_cuts_away_is_dropped_whole(
         (["--pack"], "keeps each side of a pair in a row of its own: leave out --pack"),
         (["--tp", "2"], "a pair's two sides go through one forward on one rank"),
         (["--train-on-prompt"], "compares the two completions alone"),
-        (["--head-loss", "fused"], "always take the chunked head"),
+        (["--head-loss", "fused"], "--head-loss fused: DPO's per-sequence log-probabilities take the chunked head"),
     ],
     ids=["pack", "tp", "train-on-prompt", "head-loss"],
 )
@@ -241,10 +226,32 @@ def test_what_dpo_cannot_do_is_refused_before_any_rank_starts(flags, why):
         t.parse_args(["--model", "hf", "--objective", "dpo", *flags])
 
 
+def test_dpo_alone_takes_its_beta_and_its_dropout_is_off_unless_asked_for():
+    with pytest.raises(t.UsageError, match="--dpo-beta is DPO's: add --objective dpo"):
+        t.parse_args(["--model", "hf", "--dpo-beta", "0.2"])
+    assert t.parse_args(["--model", "hf", "--objective", "dpo", "--head-loss", "chunked"]).lora_dropout == 0.0
+    assert t.parse_args(["--model", "hf", "--objective", "dpo", "--lora-dropout", "0.1"]).lora_dropout == 0.1
+    assert t.parse_args(["--model", "hf"]).lora_dropout == 0.05
+
+
 def test_preference_records_without_objective_dpo_end_every_rank_with_one_line(two_ranks):
     run = two_ranks["sft"]
     assert_one_clear_error(run, "holds preference records (chosen, rejected): add --objective dpo",
                            two_ranks.seconds("sft"), ranks=2)  # fmt: skip
+
+
+def test_chat_records_under_objective_dpo_end_every_rank_with_one_line(two_ranks):
+    assert_one_clear_error(
+        two_ranks["dpo on chat"],
+        "--objective dpo trains on preference records (chosen, rejected), and the training data holds messages records",
+        two_ranks.seconds("dpo on chat"),
+        ranks=2,
+    )
+
+
+def test_a_model_that_rescales_its_logits_is_refused_in_one_line(one_process):
+    assert_one_clear_error(one_process["gemma2"], "this model rescales its logits (soft-capping or a logit scale)",
+                           one_process.seconds("gemma2"), ranks=None)  # fmt: skip
 
 
 def test_show_examples_shows_each_side_of_a_pair_with_its_targets(one_process):
@@ -273,21 +280,25 @@ def test_the_loss_and_its_gradient_equal_a_direct_float64_dpo(tiny_qwen, tokeniz
     params = [p for p in model.parameters() if p.requires_grad]
     beta = 0.1
 
-    loss = t.PreferenceLoss(model, beta, t.RewardTally())(ids, targets, at)
-    ours = torch.autograd.grad(loss, params)
-
     def log_likelihoods() -> torch.Tensor:  # every logit, the plain way
         logp = torch.log_softmax(model(input_ids=ids).logits, dim=-1)
         picked = logp.gather(2, targets.clamp(min=0)[..., None])[..., 0]
         return (picked * (targets != t.IGNORE_INDEX)).sum(1)
 
-    with torch.no_grad(), model.disable_adapter():
+    with torch.no_grad(), model.disable_adapter():  # the base model's: the reference
         reference = log_likelihoods()
-    margin = (log_likelihoods() - reference).view(-1, 2)
-    direct = -torch.nn.functional.logsigmoid(beta * (margin[:, 0] - margin[:, 1])).sum()
+    tally = t.RewardTally()
+    loss = t.PreferenceLoss(model, beta, tally)(ids, targets, at, reference)
+    ours = torch.autograd.grad(loss, params)
+
+    rewards = beta * (log_likelihoods() - reference).view(-1, 2)
+    direct = -torch.nn.functional.logsigmoid(rewards[:, 0] - rewards[:, 1]).sum()
     theirs = torch.autograd.grad(direct, params)
     assert abs(loss.item() - direct.item()) < 1e-12 and abs(direct.item() - 3 * LOG_2) > 1e-4
     assert max((a - b).abs().max().item() for a, b in zip(ours, theirs, strict=True)) < 1e-12
+    # The rewards as logged: beta times each side's log-ratio, summed over the pairs, and the pairs the chosen wins.
+    wins = (rewards[:, 0] > rewards[:, 1]).sum()
+    assert torch.allclose(tally.sums, torch.stack([*rewards.sum(0), wins]).detach(), rtol=0, atol=1e-12)
 
 
 def test_the_first_step_loss_is_log_2_and_the_rewards_are_logged_under_trls_names(two_ranks):
@@ -328,9 +339,14 @@ def test_full_fine_tuning_computes_its_reference_once_into_the_cache(two_ranks):
     assert_ok(run)
     first = json.loads((two_ranks.root / "full.jsonl").read_text().splitlines()[0])
     assert "against the starting weights" in run.stdout and abs(first["loss"] - LOG_2) < 1e-6
+    assert "[dpo] the reference log-probabilities of 160 pairs: found by 2 rank(s)" in run.stdout
     assert run.losses()[-1] < run.losses()[0]
     saved = list((two_ranks.root / "cache").glob("reference-*.npy"))
     assert len(saved) == 1 and np.load(saved[0]).shape == (160, 2)
+    again = two_ranks["full again"]  # a later run on the same data and weights finds nothing again
+    assert_ok(again)
+    assert f"[dpo] the reference log-probabilities of 160 pairs: reused {saved[0]}" in again.stdout
+    assert again.losses() == run.losses()
 
 
 def test_full_fine_tuning_resumes_after_a_killed_worker_bit_exactly(tiny_qwen, pairs, two_ranks, tmp_path):
