@@ -3093,6 +3093,9 @@ def cannot_prefer(cfg: RunConfig, typed: set[str]) -> str | None:
         return "--objective dpo keeps each side of a pair in a row of its own: leave out --pack"
     if cfg.train_on_prompt:
         return "--objective dpo compares the two completions alone: leave out --train-on-prompt"
+    if cfg.attn_implementation in ("eager", "flash_attention_2"):  # (varlen: packed rows, refused above)
+        return (f"--attn-implementation {cfg.attn_implementation}: DPO computes each pair's shared prompt once, the "
+                "two replies kept apart by a mask that sdpa takes; leave it out, or give sdpa")  # fmt: skip
     if "--head-loss" in typed and cfg.head_loss != "chunked":
         return f"--head-loss {cfg.head_loss}: DPO's per-sequence log-probabilities take the chunked head: leave it out"
     return None
@@ -5142,29 +5145,31 @@ def head_loss_sum(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) 
 
 
 class PreferenceLoss(nn.Module):
-    """DPO's sigmoid loss summed over a micro-batch's pairs (rows 2i and 2i + 1: pair i's chosen and rejected sides):
-    -log sigmoid(beta ((log pi(c) - log pi_ref(c)) - (log pi(r) - log pi_ref(r)))), each log-probability a side's sum
-    over its completion's targets; the reference's come with the batch (reference_log_probabilities). DDP wraps it."""
+    """DPO's sigmoid loss summed over a micro-batch's pairs (one row each, preference_batch; sequences 2i and 2i + 1:
+    pair i's chosen and rejected sides): -log sigmoid(beta ((log pi(c) - log pi_ref(c)) - (log pi(r) - log pi_ref(r)))),
+    each log-probability a side's sum over its completion's targets; the reference's come with the batch
+    (reference_log_probabilities). DDP wraps it."""
 
     def __init__(self, lm: nn.Module, beta: float, tally: RewardTally) -> None:
         super().__init__()
         self.lm, self.beta, self.tally = lm, beta, tally
 
-    def forward(self, ids: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor,
-                reference: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        policy = self.sequence_log_probabilities(ids, targets, rows)
+    def forward(self, *batch: torch.Tensor) -> torch.Tensor:
+        *pairs, reference = batch
+        policy = self.sequence_log_probabilities(*pairs)
         rewards = (self.beta * (policy - reference.to(policy.dtype))).view(-1, 2)  # pairs x (chosen, rejected)
         self.tally.add(rewards.detach())
         return -F.logsigmoid(rewards[:, 0] - rewards[:, 1]).sum()
 
-    def sequence_log_probabilities(self, ids: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Each row's log-likelihood of its targets: the head run at target positions only (rows, as lean_batch
-        finds them), chunk by chunk, each checkpointed (no chunk's logits kept for backward)."""
+    def sequence_log_probabilities(self, *batch: torch.Tensor) -> torch.Tensor:
+        """Each side's log-likelihood of its targets, the batch as preference_batch lays it out: the head run at the
+        positions that predict them only, chunk by chunk, each checkpointed (no chunk's logits kept for backward)."""
+        ids, positions, mask, rows, targets, sides = batch
         body, head = decoder_body(self.lm), causal_lm(self.lm).get_output_embeddings()
-        hidden = body(input_ids=ids, use_cache=False).last_hidden_state.flatten(0, 1).index_select(0, rows)
-        chunks = zip(hidden.split(LeanHeadLoss.CHUNK), targets.flatten()[rows].split(LeanHeadLoss.CHUNK), strict=True)
+        out = body(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=False).last_hidden_state
+        chunks = zip(out.flatten(0, 1)[rows].split(LeanHeadLoss.CHUNK), targets.split(LeanHeadLoss.CHUNK), strict=True)
         token = torch.cat([checkpoint(target_log_likelihoods, head, h, y, use_reentrant=False) for h, y in chunks])
-        return token.new_zeros(len(ids)).index_add(0, rows // ids.shape[1], token)
+        return token.new_zeros(2 * len(ids)).index_add(0, sides, token)
 
 
 def target_log_likelihoods(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -5197,15 +5202,37 @@ class RewardTally:
 
 
 def preference_batch(batch: list) -> tuple[torch.Tensor, ...]:
-    """A micro-batch of pairs, made on the CPU: their chosen and rejected rows in turn, the target positions as rows
-    of the flattened batch (as lean_batch's), and their reference log-probabilities once found."""
-    ids, targets = trim_padding([side for pair in batch for side in zip(pair[0], pair[1], strict=True)])
-    rows = (targets.flatten() != IGNORE_INDEX).nonzero().squeeze(1)
-    return ids, targets, rows, *([torch.cat([pair[2] for pair in batch])] if len(batch[0]) > 2 else [])
+    """A micro-batch of pairs, made on the CPU, a row each (pair_row): its ids and positions, a mask keeping each
+    rejected side from its chosen reply, the rows of the flattened batch that predict each target, the targets, whose
+    they are (sides 2i and 2i + 1), and the pairs' reference log-probabilities once found."""
+    laid = [pair_row(*pair[:2]) for pair in batch]
+    width = max(len(row[0]) for row in laid)
+    ids, positions = torch.zeros(len(batch), width, dtype=torch.long), torch.arange(width).repeat(len(batch), 1)
+    mask, gathered = torch.ones(len(batch), 1, width, width, dtype=torch.bool).tril(), []
+    for i, (row_ids, row_positions, (c, p), at, targets, side) in enumerate(laid):
+        ids[i, : len(row_ids)], positions[i, : len(row_ids)] = row_ids, row_positions
+        mask[i, 0, c:, p:c] = False  # the rejected side sees the prompt they share, not the chosen reply
+        gathered.append((i * width + at, targets, 2 * i + side))
+    rows, targets, sides = (torch.cat(parts) for parts in zip(*gathered, strict=True))
+    reference = [torch.cat([pair[2] for pair in batch])] if len(batch[0]) > 2 else []
+    return ids, positions, mask, rows, targets, sides, *reference
+
+
+def pair_row(ids: torch.Tensor, targets: torch.Tensor) -> tuple:
+    """A pair's two sides (TokenRows' rows) as one row: the chosen side up to its last target, then the rejected side
+    after the opening the two share (their prompt: computed once), each token at its place in its own sequence; each
+    target with the row position that predicts it, and its side (0: chosen, 1: rejected)."""
+    c, r = (int((side != IGNORE_INDEX).nonzero().max()) + 1 for side in targets)  # (inputs after it predict nothing)
+    p = int((ids[0, : min(c, r)] != ids[1, : min(c, r)]).cumsum(0).eq(0).sum())  # how long the shared opening is
+    at = (torch.arange(c), torch.cat([torch.arange(p), torch.arange(c, c + r - p)]))  # side s's input j: row at[s][j]
+    kept = [targets[s, : len(at[s])] != IGNORE_INDEX for s in (0, 1)]
+    return (torch.cat([ids[0, :c], ids[1, p:r]]), torch.cat([torch.arange(c), torch.arange(p, r)]), (c, p),
+            torch.cat([at[s][kept[s]] for s in (0, 1)]), torch.cat([targets[s, : len(at[s])][kept[s]] for s in (0, 1)]),
+            torch.cat([torch.full((int(kept[s].sum()),), s) for s in (0, 1)]))  # fmt: skip
 
 
 def pairs_in(batch: tuple) -> int:
-    return len(batch[0]) // 2
+    return len(batch[0])  # a row a pair
 
 
 def preference_path(cfg: RunConfig, d: Dist, model: nn.Module, train: TokenRows, val: TokenRows | None,
@@ -5246,14 +5273,14 @@ def reference_log_probabilities(cfg: RunConfig, d: Dist, loss: PreferenceLoss, r
         log(d, f"[dpo] the reference log-probabilities of {len(rows):,} pairs: reused {path}")
         return np.load(path)
     found = torch.zeros(len(rows), 2, dtype=torch.float64, device=d.device)
-    # No gradients, no activations kept: 4 micro-batches' pairs at a time, of like lengths (little padding).
+    # Pairs of like lengths batched together (little padding; larger batches were slower on a CPU, measured).
     longest = torch.from_numpy(rows.lengths.reshape(-1, 2).max(1))
     mine = torch.arange(d.rank, len(rows), d.world_size)
     loss.eval()  # as the first step's forward, but for dropout
     with autocast_for(precision, d.device):
-        for pairs in mine[longest[mine].argsort(stable=True)].split(4 * cfg.batch_size):
-            ids, targets, at = (t.to(d.device) for t in preference_batch([rows[i] for i in pairs.tolist()]))
-            found[pairs.to(d.device)] = loss.sequence_log_probabilities(ids, targets, at).double().view(-1, 2)
+        for pairs in mine[longest[mine].argsort(stable=True)].split(cfg.batch_size):
+            batch = (t.to(d.device) for t in preference_batch([rows[i] for i in pairs.tolist()]))
+            found[pairs.to(d.device)] = loss.sequence_log_probabilities(*batch).double().view(-1, 2)
     loss.train()
     if d.distributed:
         dist.all_reduce(found)  # each pair found by one rank, zeros elsewhere
