@@ -3757,7 +3757,7 @@ def tokenize_record(
         ends = itertools.accumulate(len(text) for text, _ in segments)
         targets = [(end - len(text), end) for (text, target), end in zip(segments, ends, strict=True) if target]
         if record.prompt_turns:  # a preference pair's side: the completion's replies alone are targets
-            prompt = record.messages[: record.prompt_turns]  # the assistant's turn opens it, unless it ends with one
+            prompt = record.messages[: record.prompt_turns]  # with the reply's opening, unless it ends in a reply
             opening = render_chat(prompt, tokenizer, prompt=prompt[-1][0] != "assistant")
             if not full.startswith(opening):
                 raise UsageError("the chat template renders the prompt otherwise inside the conversation: the "
@@ -4017,7 +4017,7 @@ class TokenRows(Rows):
             keep, cut = np.repeat(keep[0::2] & keep[1::2], 2), np.repeat(cut[0::2] | cut[1::2], 2)
         self.counts = {"records": len(records) // self.unit, "truncated": int(cut.sum()) // self.unit,
                        "dropped": int((~keep).sum()) // self.unit}  # fmt: skip
-        self.reference: np.ndarray | None = None  # a pair's reference log-probabilities, where computed in advance
+        self.reference: np.ndarray | None = None  # each pair's reference log-probabilities (preference_path)
         if not keep.any():
             raise UsageError(f"no record keeps a target token within --seq-len {seq_len}: raise --seq-len")
         self.records, self.lengths = records[keep], kept_length[keep]
