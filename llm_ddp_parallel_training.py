@@ -3093,6 +3093,8 @@ def cannot_prefer(cfg: RunConfig, typed: set[str]) -> str | None:
         return "--objective dpo keeps each side of a pair in a row of its own: leave out --pack"
     if cfg.train_on_prompt:
         return "--objective dpo compares the two completions alone: leave out --train-on-prompt"
+    if cfg.trust_remote_code:  # a hub's own attention code may read the mask otherwise
+        return "--trust-remote-code with --objective dpo: its shared-prompt mask is made for transformers' own models"
     if cfg.attn_implementation in ("eager", "flash_attention_2"):  # (varlen: packed rows, refused above)
         return (f"--attn-implementation {cfg.attn_implementation}: DPO computes each pair's shared prompt once, the "
                 "two replies kept apart by a mask that sdpa takes; leave it out, or give sdpa")  # fmt: skip
@@ -5095,9 +5097,7 @@ def packed_attention(cfg: RunConfig, model: nn.Module, device: torch.device, lea
     the lean head, which carries their bounds, and no layer slides a window; auto takes it on a GPU computing bf16
     (the kernel's dtypes, Ampere on) unless --precision fp32. The attention, and a note for the header."""
     lm, wanted = causal_lm(model), cfg.attn_implementation
-    slides = "sliding" if getattr(lm.config, "sliding_window", None) else "full"  # (a config with no layer_types)
-    fits = cfg.pack and lean and set(getattr(lm.config, "layer_types", None) or [f"{slides}_attention"]) == {
-        "full_attention"}  # fmt: skip
+    fits = cfg.pack and lean and attention_kinds(model) == {"full_attention"}
     if wanted == "varlen" and not fits:
         raise UsageError("--attn-implementation varlen keeps packed rows' examples apart for the lean head: it needs "
                          "--pack, --head-loss fused or chunked, and no layer sliding a window; use sdpa")  # fmt: skip
@@ -5109,6 +5109,14 @@ def packed_attention(cfg: RunConfig, model: nn.Module, device: torch.device, lea
         lm.set_attn_implementation("varlen")
         return "varlen", "; attention varlen (packed rows, no mask)"
     return lm.config._attn_implementation, ""
+
+
+def attention_kinds(model: nn.Module) -> set[str]:
+    """What the model's layers attend to: full_attention, sliding_attention, ... (a config with a sliding_window but no
+    layer_types, as Mistral's, slides in every layer)."""
+    config = causal_lm(model).config
+    slides = "sliding" if getattr(config, "sliding_window", None) else "full"
+    return set(getattr(config, "layer_types", None) or [f"{slides}_attention"])
 
 
 def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -5206,8 +5214,8 @@ def preference_batch(batch: list) -> tuple[torch.Tensor, ...]:
     rejected side from its chosen reply, the rows of the flattened batch that predict each target, the targets, whose
     they are (sides 2i and 2i + 1), and the pairs' reference log-probabilities once found."""
     laid = [pair_row(*pair[:2]) for pair in batch]
-    width = max(len(row[0]) for row in laid)
-    ids, positions = torch.zeros(len(batch), width, dtype=torch.long), torch.arange(width).repeat(len(batch), 1)
+    width = -(-max(len(row[0]) for row in laid) // 8) * 8  # a multiple of 8: SDPA would copy its mask to pad it
+    ids, positions = (torch.zeros(len(batch), width, dtype=torch.long) for _ in range(2))  # (padding: position 0)
     mask, gathered = torch.ones(len(batch), 1, width, width, dtype=torch.bool).tril(), []
     for i, (row_ids, row_positions, (c, p), at, targets, side) in enumerate(laid):
         ids[i, : len(row_ids)], positions[i, : len(row_ids)] = row_ids, row_positions
@@ -5242,6 +5250,11 @@ def preference_path(cfg: RunConfig, d: Dist, model: nn.Module, train: TokenRows,
     if rescales_logits(model):
         raise UsageError("--objective dpo runs the output layer alone at the completions' positions, and this model "
                          "rescales its logits (soft-capping or a logit scale): not supported yet")  # fmt: skip
+    window, kinds = getattr(causal_lm(model).config, "sliding_window", None) or 0, attention_kinds(model)
+    if kinds - {"full_attention", "sliding_attention"} or ("sliding_attention" in kinds and window <= cfg.seq_len):
+        raise UsageError(f"--objective dpo masks each pair's row itself, and this model's layers attend otherwise than "
+                         f"to all before them within --seq-len {cfg.seq_len} ({', '.join(sorted(kinds))}, window "
+                         f"{window}): not supported yet")  # fmt: skip
     tally = RewardTally()
     loss = PreferenceLoss(model, cfg.dpo_beta, tally)
     for rows in filter(None, (train, val)):
@@ -5274,7 +5287,7 @@ def reference_log_probabilities(cfg: RunConfig, d: Dist, loss: PreferenceLoss, r
         return np.load(path)
     found = torch.zeros(len(rows), 2, dtype=torch.float64, device=d.device)
     # Pairs of like lengths batched together (little padding; larger batches were slower on a CPU, measured).
-    longest = torch.from_numpy(rows.lengths.reshape(-1, 2).max(1))
+    longest = torch.from_numpy(rows.lengths.reshape(-1, 2).sum(1))  # (a row is the two less their shared prompt)
     mine = torch.arange(d.rank, len(rows), d.world_size)
     loss.eval()  # as the first step's forward, but for dropout
     with autocast_for(precision, d.device):

@@ -90,20 +90,26 @@ def two_ranks(tiny_qwen, pairs, corpus_lines, tmp_path_factory) -> Shared:
 
 @pytest.fixture(scope="module")
 def one_process(tiny_qwen, pairs, corpus_lines, tmp_path_factory) -> Shared:
-    """The plain-process runs: two micro-batches accumulated to the 2-rank runs' global batch, --show-examples, and a
-    model whose forward rescales its logits (Granite's logits_scaling)."""
-    from transformers import AutoTokenizer, GraniteConfig, GraniteForCausalLM
+    """The plain-process runs: two micro-batches accumulated to the 2-rank runs' global batch, --show-examples, a model
+    whose forward rescales its logits (Granite's logits_scaling), and one whose layers slide a window (Qwen2's)."""
+    from transformers import AutoTokenizer, GraniteConfig, GraniteForCausalLM, Qwen2ForCausalLM
 
     root = tmp_path_factory.mktemp("dpo_one_process")
     tokenizer, granite = AutoTokenizer.from_pretrained(tiny_qwen), root / "granite"
     shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
     GraniteForCausalLM(GraniteConfig(vocab_size=len(tokenizer), logits_scaling=4.0, **shape)).save_pretrained(granite)
     tokenizer.save_pretrained(granite)
+    sliding = root / "sliding"
+    model = Qwen2ForCausalLM.from_pretrained(tiny_qwen)
+    layers = {"layer_types": ["sliding_attention"] * model.config.num_hidden_layers, "max_window_layers": 0}
+    model.config.update({"use_sliding_window": True, "sliding_window": 16, **layers})
+    model.save_pretrained(sliding), tokenizer.save_pretrained(sliding)
     accumulate = ["--batch-size", "2", "--grad-accum-steps", "2", *SGD]
     jobs = {
         "accumulate": dpo_args(tiny_qwen, pairs, root / "accumulate", *accumulate),
         "show": dpo_args(tiny_qwen, pairs, root / "show", "--show-examples", "1"),
         "granite": dpo_args(granite, pairs, root / "granite", "--max-steps", "1"),
+        "sliding": dpo_args(sliding, pairs, root / "sliding", "--max-steps", "1"),
     }
     return share(root, jobs, nproc=None)
 
@@ -221,8 +227,10 @@ def test_a_pair_is_dropped_whole_when_the_sequence_length_cuts_either_completion
         (["--tp", "2"], "a pair's two sides go through one forward on one rank"),
         (["--train-on-prompt"], "compares the two completions alone"),
         (["--head-loss", "fused"], "--head-loss fused: DPO's per-sequence log-probabilities take the chunked head"),
+        (["--attn-implementation", "eager"], "two replies kept apart by a mask that sdpa takes"),
+        (["--trust-remote-code"], "its shared-prompt mask is made for transformers' own models"),
     ],
-    ids=["pack", "tp", "train-on-prompt", "head-loss"],
+    ids=["pack", "tp", "train-on-prompt", "head-loss", "eager", "remote-code"],
 )
 def test_what_dpo_cannot_do_is_refused_before_any_rank_starts(flags, why):
     with pytest.raises(t.UsageError, match=why):
@@ -257,6 +265,12 @@ def test_a_model_that_rescales_its_logits_is_refused_in_one_line(one_process):
                            one_process.seconds("granite"), ranks=None)  # fmt: skip
 
 
+def test_a_model_whose_layers_slide_a_window_shorter_than_the_sequence_is_refused_in_one_line(one_process):
+    # The pair's row carries its own mask, which transformers passes to attention as it is: no window in it.
+    expected = "layers attend otherwise than to all before them within --seq-len 160 (sliding_attention, window 16)"
+    assert_one_clear_error(one_process["sliding"], expected, one_process.seconds("sliding"), ranks=None)
+
+
 def test_show_examples_shows_each_side_of_a_pair_with_its_targets(one_process):
     run = one_process["show"]
     assert_ok(run)
@@ -273,7 +287,8 @@ def test_a_pair_shares_its_prompt_in_one_row_and_the_rejected_side_never_sees_th
     ids = torch.tensor([[5, 6, 7, 8, 0, 0], [5, 6, 3, 0, 0, 0]])
     targets = torch.tensor([[-100, 7, 8, 9, -100, -100], [-100, 3, 4, -100, -100, -100]])
     row_ids, positions, mask, rows, ys, sides = t.preference_batch([(ids, targets)])
-    assert row_ids.tolist() == [[5, 6, 7, 8, 3]] and positions.tolist() == [[0, 1, 2, 3, 2]]
+    assert row_ids.shape == (1, 8) and row_ids.tolist() == [[5, 6, 7, 8, 3, 0, 0, 0]]  # (padded to a multiple of 8)
+    assert positions.tolist() == [[0, 1, 2, 3, 2, 0, 0, 0]]  # each token at its place in its own sequence
     assert not mask[0, 0, 4, 2:4].any() and mask[0, 0, 4, [0, 1, 4]].all()  # the rejected 3: the prompt and itself
     assert torch.equal(mask[0, 0, :4, :4], torch.ones(4, 4, dtype=torch.bool).tril())  # the chosen side: causal
     # Each target read where its own sequence predicts it: either side's first reply token from the prompt's end.
