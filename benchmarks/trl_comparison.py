@@ -102,6 +102,13 @@ def preference_records(lines: list[str], count: int, seed: int) -> list[dict]:
     return records
 
 
+def held_out_of(records: list[dict], training: Path) -> list[dict]:
+    """The first tenth of the records, held out; the rest written to `training` as JSONL."""
+    held_out = records[: len(records) // 10]
+    training.write_text("".join(json.dumps(r) + "\n" for r in records[len(held_out) :]))
+    return held_out
+
+
 def run(cmd: list[str]) -> tuple[str, float]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     path = os.pathsep.join(p for p in (os.environ.get("TRL_SITE"), str(REPO)) if p)  # TRL_SITE: see the docstring
@@ -220,9 +227,7 @@ def dpo_comparison(lines: list[str], model: Path, root: Path, pairs: int) -> Non
     from transformers import AutoTokenizer
 
     records = preference_records(lines, pairs, seed=0)
-    held_out = records[: len(records) // 10]
-    data = root / "pairs.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in records[len(held_out) :]))
+    data, held_out = root / "pairs.jsonl", held_out_of(records, root / "pairs.jsonl")
     results = {}
     runs = {"ours --objective dpo": ours_dpo, "TRL DPOTrainer": trl_dpo,
             "TRL, precompute_ref_log_probs=True": functools.partial(trl_dpo, precompute=True)}  # fmt: skip
@@ -272,9 +277,7 @@ def sft_comparison(lines: list[str], model: Path, root: Path, conversations: int
     from transformers import AutoTokenizer
 
     records = chat_records(lines, conversations, seed=0)
-    held_out = records[: len(records) // 10]
-    data = root / "train.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in records[len(held_out) :]))
+    data, held_out = root / "train.jsonl", held_out_of(records, root / "train.jsonl")
     results = {}
     for name, tool, pack in (("ours", ours, False), ("TRL SFTTrainer", trl, False),
                              ("ours --pack", ours, True), ("TRL packing=True", trl, True)):  # fmt: skip
